@@ -1,0 +1,49 @@
+"""mindspeed_hf: a drop-in accelerator for Hugging Face training on Ascend NPU, CUDA and CPU.
+
+`import mindspeed_hf` enables every kernel for the supported model families (set MINDSPEED_HF_AUTO=0 to import
+without patching); `disable()` restores every patched symbol; `report(model)` says what really runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .config import MindSpeedConfig, load_config
+from .patches import apply_to_model, disable, enable, is_enabled, report
+from .patches.apply import active_config
+
+__version__ = "0.1.0"
+
+logging.getLogger("mindspeed_hf").addHandler(logging.NullHandler())
+
+
+def get_config() -> MindSpeedConfig:
+    """The active configuration (the one enable() used), else the one MINDSPEED_HF_CONFIG / defaults give."""
+    return active_config() or load_config()
+
+
+def __getattr__(name: str):
+    # The trainer classes import transformers.Trainer (heavy): load them on first use.
+    if name in ("MindSpeedTrainer", "MindSpeedTrainingArguments"):
+        from . import trainers
+
+        return getattr(trainers, name)
+    raise AttributeError(f"module 'mindspeed_hf' has no attribute {name!r}")
+
+
+__all__ = [
+    "MindSpeedConfig",
+    "MindSpeedTrainer",
+    "MindSpeedTrainingArguments",
+    "apply_to_model",
+    "disable",
+    "enable",
+    "get_config",
+    "is_enabled",
+    "load_config",
+    "report",
+]
+
+if os.environ.get("MINDSPEED_HF_AUTO", "1").strip().lower() not in ("0", "false", "no", "off"):
+    enable()

@@ -1,0 +1,115 @@
+"""Kernel registry: one implementation per (op, backend), chosen per call from the tensors' device.
+
+`MINDSPEED_HF_BACKEND=auto|torch|npu|cuda` overrides the choice: `auto` follows the device; a forced `npu` runs
+the torch_npu path even on CPU tensors (how the NPU path is tested with a stand-in module). A backend whose
+library is missing (liger-kernel on CUDA, say) falls back to the pure-torch reference, and `implementation()`
+says so, so that `report()` shows what really runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..device import import_torch_npu
+
+BACKEND_CHOICES = ("auto", "torch", "npu", "cuda")
+_DEVICE_TO_BACKEND = {"npu": "npu", "cuda": "cuda"}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One implementation of an op for one backend."""
+
+    op: str
+    backend: str
+    name: str
+    fn: Callable
+    available: Callable[[], bool]
+
+
+_KERNELS: dict[str, dict[str, Kernel]] = {}
+_backend = {"requested": None}  # set by set_backend(); None = read MINDSPEED_HF_BACKEND on first use
+
+
+def _always() -> bool:
+    return True
+
+
+def _npu_importable() -> bool:
+    return import_torch_npu() is not None
+
+
+@functools.cache
+def liger_available() -> bool:
+    """liger-kernel importable (it needs triton, so only on CUDA machines in practice)."""
+    try:
+        import liger_kernel.ops  # noqa: F401
+    except Exception:  # ImportError, or triton failing to find a GPU driver
+        return False
+    return True
+
+
+_DEFAULT_AVAILABILITY = {"torch": _always, "npu": _npu_importable, "cuda": liger_available}
+
+
+def register(op: str, backend: str, name: str | None = None, available: Callable[[], bool] | None = None):
+    """Decorator: register `fn` as the `backend` implementation of `op`."""
+    if backend not in BACKEND_CHOICES[1:]:
+        raise ValueError(f"backend {backend!r} is not one of {BACKEND_CHOICES[1:]}")
+
+    def decorate(fn: Callable) -> Callable:
+        check = available or _DEFAULT_AVAILABILITY[backend]
+        _KERNELS.setdefault(op, {})[backend] = Kernel(op, backend, name or f"{backend}:{fn.__name__}", fn, check)
+        return fn
+
+    return decorate
+
+
+def validate_backend_name(name: str, setting: str = "MINDSPEED_HF_BACKEND") -> str:
+    if name not in BACKEND_CHOICES:
+        raise ValueError(f"{setting}={name!r} is not valid; choose one of {', '.join(BACKEND_CHOICES)}")
+    if name == "npu" and not _npu_importable():
+        raise ValueError(f"{setting}=npu but torch_npu cannot be imported here; choose one of auto, torch, cuda")
+    return name
+
+
+def set_backend(name: str | None) -> None:
+    """Force a backend (or None to re-read MINDSPEED_HF_BACKEND). Validated before anything runs."""
+    _backend["requested"] = None if name is None else validate_backend_name(name)
+
+
+def requested_backend() -> str:
+    if _backend["requested"] is None:
+        _backend["requested"] = validate_backend_name(os.environ.get("MINDSPEED_HF_BACKEND", "auto").lower())
+    return _backend["requested"]
+
+
+def resolve_backend(device: torch.device | str) -> str:
+    """The backend that kernels on `device` use: the forced one, or the device's own under `auto`."""
+    requested = requested_backend()
+    if requested != "auto":
+        return requested
+    return _DEVICE_TO_BACKEND.get(torch.device(device).type, "torch")
+
+
+def select(op: str, device: torch.device | str) -> Kernel:
+    """The kernel that runs `op` for tensors on `device` (the torch reference when the backend has none)."""
+    kernels = _KERNELS[op]
+    kernel = kernels.get(resolve_backend(device))
+    if kernel is None or not kernel.available():
+        kernel = kernels["torch"]
+    return kernel
+
+
+def implementation(op: str, device: torch.device | str) -> str:
+    """Name of the implementation that `op` runs on `device`, e.g. "npu:npu_rms_norm" or "torch"."""
+    return select(op, device).name
+
+
+def registered_ops() -> list[str]:
+    return sorted(_KERNELS)

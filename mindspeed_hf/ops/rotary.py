@@ -1,0 +1,71 @@
+"""Rotary position embedding of q and k in HF's "half" convention: x * cos + rotate_half(x) * sin.
+
+Partial rotary (cos narrower than the head, as in Phi-3) rotates the leading part and keeps the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..device import import_torch_npu
+from .registry import register, select
+
+# npu_rotary_mul limits (torch_npu_ops.md): 4-D input, D even and < 896, B and N < 1000.
+_NPU_MAX_HEAD_DIM = 896
+_NPU_MAX_BATCH_OR_HEADS = 1000
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_one_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+def _rope_one_npu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    if x.dim() != 4 or d % 2 or d >= _NPU_MAX_HEAD_DIM or max(x.shape[0], x.shape[1]) >= _NPU_MAX_BATCH_OR_HEADS:
+        return _rope_one_torch(x, cos, sin)  # outside the op's domain: same math, unfused
+    return import_torch_npu().npu_rotary_mul(x, cos, sin, rotary_mode="half")
+
+
+def _apply(rope_one, q, k, cos, sin, unsqueeze_dim):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == q.shape[-1]:
+        return rope_one(q, cos, sin), rope_one(k, cos, sin)
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    return (
+        torch.cat([rope_one(q_rot, cos, sin), q_pass], dim=-1),
+        torch.cat([rope_one(k_rot, cos, sin), k_pass], dim=-1),
+    )
+
+
+@register("rope", "torch", name="torch")
+def rope_torch(q, k, cos, sin, unsqueeze_dim=1):
+    return _apply(_rope_one_torch, q, k, cos, sin, unsqueeze_dim)
+
+
+@register("rope", "npu", name="npu:npu_rotary_mul")
+def rope_npu(q, k, cos, sin, unsqueeze_dim=1):
+    return _apply(_rope_one_npu, q, k, cos, sin, unsqueeze_dim)
+
+
+@register("rope", "cuda", name="cuda:liger_rope")
+def rope_liger(q, k, cos, sin, unsqueeze_dim=1):
+    if unsqueeze_dim != 1 or cos.shape[-1] != q.shape[-1]:
+        return rope_torch(q, k, cos, sin, unsqueeze_dim)  # liger's kernel expects BNSD and a full-width rotary
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    return LigerRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for HF's `apply_rotary_pos_emb` (same signature), dispatched on q's device."""
+    return select("rope", q.device).fn(q, k, cos, sin, unsqueeze_dim)

@@ -1,0 +1,54 @@
+"""SwiGLU: silu(gate) * up. The MLP forwards still call the gate/up/down submodules so PEFT LoRA adapters on
+them keep working; only the activation-and-multiply is fused."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..device import import_torch_npu
+from .registry import register, select
+
+
+@register("swiglu", "torch", name="torch")
+def swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@register("swiglu", "npu", name="npu:npu_swiglu")
+def swiglu_npu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return import_torch_npu().npu_swiglu(torch.cat([gate, up], dim=-1), dim=-1)
+
+
+@register("swiglu", "cuda", name="cuda:liger_swiglu")
+def swiglu_liger(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    return LigerSiLUMulFunction.apply(gate, up)
+
+
+@register("swiglu_packed", "torch", name="torch")
+def swiglu_packed_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@register("swiglu_packed", "npu", name="npu:npu_swiglu")
+def swiglu_packed_npu(gate_up: torch.Tensor) -> torch.Tensor:
+    return import_torch_npu().npu_swiglu(gate_up, dim=-1)
+
+
+@register("swiglu_packed", "cuda", name="cuda:liger_swiglu")
+def swiglu_packed_liger(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return swiglu_liger(gate, up)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up with the backend for the tensors' device."""
+    return select("swiglu", gate.device).fn(gate, up)
+
+
+def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(first half) * second half of the last dim (Phi-3's fused gate_up projection)."""
+    return select("swiglu_packed", gate_up.device).fn(gate_up)

@@ -1,0 +1,61 @@
+"""One declarative entry per supported model family: which classes and functions of its transformers modeling
+module get which kernel. Adding a family is adding an entry here (plus its parity test)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Names in `transformers.models.<module>.modeling_<module>` that the accelerator patches."""
+
+    model_type: str
+    module: str
+    pretrained: str  # XPreTrainedModel: its attention default becomes ours
+    attention: str  # XAttention, counted for the rope/attention report
+    causal_lm: tuple[str, ...]
+    rms_norm: tuple[str, ...] = ()
+    offset_rms_norm: bool = False  # Gemma: x * (1 + w), multiplied in fp32
+    swiglu_mlp: tuple[str, ...] = ()  # gate_proj / up_proj / down_proj MLPs
+    packed_swiglu_mlp: tuple[str, ...] = ()  # gate_up_proj / down_proj MLPs (Phi-3)
+    rope: bool = True  # module-level apply_rotary_pos_emb
+
+    @property
+    def modeling_module(self) -> str:
+        return f"transformers.models.{self.module}.modeling_{self.module}"
+
+
+def _dense(model_type: str, prefix: str, module: str | None = None, **overrides) -> ModelFamily:
+    """The common Llama-shaped entry: XRMSNorm, XMLP, XAttention, XPreTrainedModel, XForCausalLM."""
+    entry = dict(
+        model_type=model_type,
+        module=module or model_type,
+        pretrained=f"{prefix}PreTrainedModel",
+        attention=f"{prefix}Attention",
+        causal_lm=(f"{prefix}ForCausalLM",),
+        rms_norm=(f"{prefix}RMSNorm",),
+        swiglu_mlp=(f"{prefix}MLP",),
+    )
+    entry.update(overrides)
+    return ModelFamily(**entry)
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    family.model_type: family
+    for family in (
+        _dense("llama", "Llama"),
+        _dense("mistral", "Mistral"),
+        _dense("qwen2", "Qwen2"),
+        _dense("qwen3", "Qwen3"),
+        # MoE families: dense/shared MLPs here; routed experts are a separate kernel.
+        _dense("qwen2_moe", "Qwen2Moe"),
+        _dense("qwen3_moe", "Qwen3Moe"),
+        _dense("mixtral", "Mixtral", swiglu_mlp=()),
+        # Gemma: offset RMSNorm; its GeGLU MLP is left alone.
+        _dense("gemma", "Gemma", offset_rms_norm=True, swiglu_mlp=()),
+        _dense("gemma2", "Gemma2", offset_rms_norm=True, swiglu_mlp=()),
+        _dense("gemma3_text", "Gemma3", module="gemma3", offset_rms_norm=True, swiglu_mlp=()),
+        _dense("phi3", "Phi3", swiglu_mlp=(), packed_swiglu_mlp=("Phi3MLP",)),
+    )
+}

@@ -1,0 +1,32 @@
+"""Shared test setup: import mindspeed_hf without patching (each test enables what it compares), put the
+torch_npu stand-in on the path, and make sure no test leaves the package enabled."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["MINDSPEED_HF_AUTO"] = "0"
+os.environ.pop("MINDSPEED_HF_BACKEND", None)
+os.environ.pop("MINDSPEED_HF_CONFIG", None)
+STANDIN = Path(__file__).parent / "npu_standin"
+sys.path.insert(0, str(STANDIN))
+
+import pytest  # noqa: E402
+
+import mindspeed_hf  # noqa: E402
+from mindspeed_hf.ops import registry  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_mindspeed():
+    yield
+    mindspeed_hf.disable()
+    registry.set_backend(None)
+
+
+@pytest.fixture(params=["torch", "npu"])
+def backend(request):
+    """Run a test on the torch reference and on the NPU path (through the stand-in torch_npu)."""
+    registry.set_backend(request.param)
+    yield request.param
+    registry.set_backend(None)

@@ -1,0 +1,111 @@
+"""Every supported family: a tiny model's loss and all gradients with mindspeed_hf equal the unpatched model
+(fp32, 1e-5) for padded and packed batches, on the torch reference and on the NPU path (stand-in torch_npu);
+disable() restores the original objects and the original numbers."""
+
+import pytest
+import torch
+from tiny_models import FAMILY_CONFIGS, assert_close_grads, loss_and_grads, packed_batch, padded_batch, tiny_model
+
+import mindspeed_hf
+from mindspeed_hf.config import config_from_dict
+from mindspeed_hf.patches import FAMILIES
+from mindspeed_hf.patches.families import ModelFamily
+
+BATCHES = {"right_padded": padded_batch, "left_padded": lambda: padded_batch(left=True), "packed": packed_batch}
+
+
+def _snapshot(family: ModelFamily) -> dict:
+    import importlib
+
+    module = importlib.import_module(family.modeling_module)
+    names = {*family.rms_norm, *family.swiglu_mlp, *family.packed_swiglu_mlp, *family.causal_lm, family.pretrained}
+    snap = {("module", "apply_rotary_pos_emb"): module.apply_rotary_pos_emb}
+    for name in names:
+        snap.update({(name, attr): value for attr, value in vars(getattr(module, name)).items()})
+    return snap
+
+
+def test_every_family_has_a_test_config():
+    assert set(FAMILIES) == set(FAMILY_CONFIGS)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_family_parity(model_type, backend):
+    model = tiny_model(model_type)
+    expected = {name: loss_and_grads(model, make()) for name, make in BATCHES.items()}
+    originals = _snapshot(FAMILIES[model_type])
+
+    mindspeed_hf.enable(config_from_dict({"backend": backend}))
+    report = mindspeed_hf.apply_to_model(model)
+    kernels = report["kernels"]
+    assert kernels["rms_norm"] > 0 and kernels["fused_linear_cross_entropy"] == 1
+    assert kernels["rope"] == model.config.num_hidden_layers
+    if model.config._attn_implementation != "eager":  # Gemma2 keeps HF's eager (no sdpa support)
+        assert kernels["attention"] == model.config.num_hidden_layers
+    if FAMILIES[model_type].swiglu_mlp or FAMILIES[model_type].packed_swiglu_mlp:
+        assert kernels["swiglu"] > 0
+    assert report["backend"] == backend
+    for name, make in BATCHES.items():
+        loss, grads = loss_and_grads(model, make())
+        torch.testing.assert_close(loss, expected[name][0], atol=1e-5, rtol=1e-5, msg=f"{model_type} {name} loss")
+        assert_close_grads(expected[name][1], grads)
+
+    mindspeed_hf.disable()
+    assert _snapshot(FAMILIES[model_type]) == originals
+    assert mindspeed_hf.report(model)["kernels"] == dict.fromkeys(report["kernels"], 0)
+    loss, _ = loss_and_grads(model, padded_batch())
+    torch.testing.assert_close(loss, expected["right_padded"][0], atol=0, rtol=0)
+
+
+def test_models_built_while_enabled_use_kernels_and_survive_disable():
+    mindspeed_hf.enable()
+    model = tiny_model("qwen3")
+    assert model.config._attn_implementation == "mindspeed"
+    counts = mindspeed_hf.report(model)["kernels"]
+    assert counts == {"rms_norm": 9, "rope": 2, "swiglu": 2, "attention": 2, "fused_linear_cross_entropy": 1}
+    mindspeed_hf.disable()
+    assert model.config._attn_implementation == "sdpa"
+    model(**padded_batch())  # still runs, unaccelerated
+
+
+def test_enable_is_idempotent_and_disable_restores_exactly():
+    from transformers.models.llama import modeling_llama
+
+    before = (modeling_llama.LlamaRMSNorm.forward, modeling_llama.apply_rotary_pos_emb)
+    mindspeed_hf.enable()
+    patched = (modeling_llama.LlamaRMSNorm.forward, modeling_llama.apply_rotary_pos_emb)
+    mindspeed_hf.enable()
+    assert (modeling_llama.LlamaRMSNorm.forward, modeling_llama.apply_rotary_pos_emb) == patched != before
+    mindspeed_hf.disable()
+    mindspeed_hf.disable()
+    assert (modeling_llama.LlamaRMSNorm.forward, modeling_llama.apply_rotary_pos_emb) == before
+    assert "get_correct_attn_implementation" not in vars(modeling_llama.LlamaPreTrainedModel)
+
+
+def test_kernels_can_be_switched_off_one_by_one():
+    mindspeed_hf.enable(config_from_dict({"kernels": {"swiglu": False, "attention": False}}))
+    model = tiny_model("llama")
+    counts = mindspeed_hf.report(model)["kernels"]
+    assert counts["swiglu"] == 0 and counts["attention"] == 0 and counts["rms_norm"] == 5
+
+
+def test_unsupported_model_runs_unaccelerated_with_one_warning(caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with caplog.at_level("WARNING", logger="mindspeed_hf"):
+        first = mindspeed_hf.apply_to_model(model)
+        mindspeed_hf.apply_to_model(model)
+    assert sum("not supported" in r.message for r in caplog.records) == 1
+    assert sum(first["kernels"].values()) == 0
+
+
+def test_non_silu_activation_keeps_hf_mlp():
+    model = tiny_model("llama", hidden_act="gelu")
+    batch = padded_batch()
+    expected = loss_and_grads(model, batch)
+    mindspeed_hf.enable()
+    mindspeed_hf.apply_to_model(model)
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
+    assert_close_grads(expected[1], grads)
