@@ -1,0 +1,59 @@
+"""npu_rms_norm and npu_add_rms_norm: RMSNorm in fp32, gamma applied in fp32, then cast (the kernel's order)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks as C
+
+
+def _check_norm_args(op: str, x: torch.Tensor, gamma: object, epsilon: object) -> torch.Tensor:
+    if gamma is None:
+        raise RuntimeError(f"{op}: gamma is required (got None)")
+    gamma = C.float_tensor(op, "gamma", gamma)
+    C.real(op, "epsilon", epsilon)
+    C.check(
+        gamma.dtype == x.dtype, op,
+        f"gamma dtype {gamma.dtype} must equal the input dtype {x.dtype} (cast the weight first)",
+    )
+    C.same_device(op, input=x, gamma=gamma)
+    g = gamma.dim()
+    C.check(1 <= g <= x.dim(), op, f"gamma must have 1..{x.dim()} dims, got {g}")
+    C.check(
+        tuple(gamma.shape) == tuple(x.shape[x.dim() - g:]), op,
+        f"gamma shape {tuple(gamma.shape)} must equal the trailing input shape {tuple(x.shape[x.dim() - g:])}",
+    )
+    return gamma
+
+
+def _rms_norm(x32: torch.Tensor, gamma: torch.Tensor, epsilon: float, dtype: torch.dtype):
+    dims = tuple(range(x32.dim() - gamma.dim(), x32.dim()))
+    rstd = torch.rsqrt(x32.pow(2).mean(dim=dims, keepdim=True) + epsilon)
+    y = (x32 * rstd * gamma.float()).to(dtype)
+    return y, rstd
+
+
+def npu_rms_norm(input, gamma, epsilon=1e-06):
+    """(y, rstd): y = input * rsqrt(mean(input^2) + eps) * gamma, computed in fp32 and cast to input's dtype.
+
+    rstd is fp32 with shape input.shape[:-g] + (1,) * g, g = gamma.dim(). Differentiable in input and gamma.
+    """
+    op = "npu_rms_norm"
+    x = C.float_tensor(op, "input", input)
+    gamma = _check_norm_args(op, x, gamma, epsilon)
+    return _rms_norm(x.float(), gamma, float(epsilon), x.dtype)
+
+
+def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06):
+    """(y, rstd, x) with x = x1 + x2 (the new residual) and y = rms_norm(x) * gamma. No autograd on the device."""
+    op = "npu_add_rms_norm"
+    x1 = C.float_tensor(op, "x1", x1)
+    x2 = C.float_tensor(op, "x2", x2)
+    C.same_dtype(op, x1=x1, x2=x2)
+    C.check(x1.shape == x2.shape, op, f"x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} must have one shape")
+    gamma = _check_norm_args(op, x1, gamma, epsilon)
+    with torch.no_grad():
+        s32 = x1.float() + x2.float()
+        y, rstd = _rms_norm(s32, gamma, float(epsilon), x1.dtype)
+        x = s32.to(x1.dtype)
+    return C.no_autograd(op, (y, rstd, x), (x1, x2, gamma))
