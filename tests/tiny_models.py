@@ -64,7 +64,8 @@ def packed_batch(lengths=(5, 7, 3, 6), seed: int = 2) -> dict[str, torch.Tensor]
     labels = input_ids.clone()
     starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
     labels[0, starts] = -100  # the first token of each sequence is not predicted from the previous one
-    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+    # use_cache=False: with a cache, HF's sdpa does not detect packing and attends across sequences.
+    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels, "use_cache": False}
 
 
 def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

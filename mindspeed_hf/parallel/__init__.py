@@ -1,0 +1,81 @@
+"""Distributed building blocks: device mesh, FSDP2, sharded loading and checkpoints.
+
+Small functions, usable from a plain training loop or from the Trainer integration::
+
+    from mindspeed_hf.parallel import ParallelDims, init_distributed, fsdp_mesh, apply_fsdp
+
+    device = init_distributed("cpu")                 # gloo / nccl / hccl from the device type
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, world_size=world)
+    mesh = dims.build_mesh(device.type)              # named axes + flattened views
+    model = apply_fsdp(model, fsdp_mesh(mesh, dims), param_dtype=torch.bfloat16)
+
+or load straight into shards: ``from_pretrained_sharded(path, fsdp_mesh(mesh, dims))``.
+Checkpoints: ``save_hf_consolidated`` (HF directory / PEFT adapter), ``save_sharded`` /
+``load_sharded`` (DCP, atomic ``COMPLETE`` marker) and ``latest_complete_checkpoint``.
+"""
+
+from .checkpoint import (
+    COMPLETE_MARKER,
+    capture_rng_state,
+    is_complete_checkpoint,
+    latest_complete_checkpoint,
+    load_sharded,
+    restore_rng_state,
+    save_hf_consolidated,
+    save_sharded,
+)
+from .dims import (
+    BACKENDS,
+    ParallelDims,
+    backend_for,
+    default_device_type,
+    expert_mesh,
+    fsdp_mesh,
+    init_distributed,
+)
+from .fsdp import (
+    apply_fsdp,
+    find_decoder_layers,
+    get_fsdp_parts,
+    local_state_bytes,
+    reshard_model,
+    unwrap_hf_model,
+)
+from .loading import (
+    build_meta_model,
+    from_pretrained_sharded,
+    init_nonpersistent_buffers,
+    load_sharded_safetensors,
+    local_shard_slices,
+    materialize_meta_model,
+)
+
+__all__ = [
+    "BACKENDS",
+    "COMPLETE_MARKER",
+    "ParallelDims",
+    "apply_fsdp",
+    "backend_for",
+    "build_meta_model",
+    "capture_rng_state",
+    "default_device_type",
+    "expert_mesh",
+    "find_decoder_layers",
+    "from_pretrained_sharded",
+    "fsdp_mesh",
+    "get_fsdp_parts",
+    "init_distributed",
+    "init_nonpersistent_buffers",
+    "is_complete_checkpoint",
+    "latest_complete_checkpoint",
+    "load_sharded",
+    "load_sharded_safetensors",
+    "local_shard_slices",
+    "local_state_bytes",
+    "materialize_meta_model",
+    "reshard_model",
+    "restore_rng_state",
+    "save_hf_consolidated",
+    "save_sharded",
+    "unwrap_hf_model",
+]

@@ -1,0 +1,231 @@
+"""Checkpoints for FSDP2 models: consolidated HF export and resumable sharded (DCP) checkpoints.
+
+* :func:`save_hf_consolidated` gathers the full weights to rank 0's host memory and writes a
+  directory ``from_pretrained`` loads (for a PEFT model: the adapter only).
+* :func:`save_sharded` / :func:`load_sharded` write and read model + optimizer shards with
+  ``torch.distributed.checkpoint`` plus a per-rank ``extra_state`` (step, RNG, scheduler...).
+  A save goes to ``<dir>.tmp`` first; once every rank is done, rank 0 renames it into place and
+  then writes a ``COMPLETE`` marker, so a crash never leaves a directory that looks finished.
+  Loaders (and :func:`latest_complete_checkpoint`) ignore directories without the marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from .fsdp import reshard_model
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "capture_rng_state",
+    "is_complete_checkpoint",
+    "latest_complete_checkpoint",
+    "load_sharded",
+    "restore_rng_state",
+    "save_hf_consolidated",
+    "save_sharded",
+]
+
+COMPLETE_MARKER = "COMPLETE"
+STAGING_SUFFIX = ".tmp"
+_EXTRA = "extra_state_rank{}.pt"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def save_hf_consolidated(
+    model: nn.Module,
+    output_dir: str,
+    rank: int | None = None,
+    **save_pretrained_kwargs: Any,
+) -> dict[str, torch.Tensor] | None:
+    """Gather the full state dict to rank 0 (CPU) and ``save_pretrained`` it there.
+
+    Collective: every rank must call it. For a PEFT model only the trainable (adapter) tensors are
+    gathered and PEFT's ``save_pretrained`` writes the adapter. Returns the gathered state dict on
+    rank 0, None elsewhere.
+    """
+    rank = _rank() if rank is None else rank
+    reshard_model(model)
+    peft = _is_peft(model)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=peft)
+    state = get_model_state_dict(model, options=options)
+    if rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        # save_pretrained consumes (empties) the dict it is given: hand it a shallow copy
+        model.save_pretrained(output_dir, state_dict=dict(state), **save_pretrained_kwargs)
+    _barrier()
+    return state if rank == 0 else None
+
+
+# ---- sharded (resumable) checkpoints --------------------------------------------------------
+def is_complete_checkpoint(path: str) -> bool:
+    """True when ``path`` is a finished :func:`save_sharded` directory (has the marker)."""
+    return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
+
+
+def latest_complete_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint directory under ``root`` (None if there is none).
+
+    Newest = largest trailing number in the directory name (``checkpoint-200``, ``step_3``),
+    modification time for names without one. Staging and unmarked directories are skipped.
+    """
+    if not os.path.isdir(root):
+        return None
+    found: list[tuple[int, float, str]] = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.endswith(STAGING_SUFFIX) or not os.path.isdir(path):
+            continue
+        if not is_complete_checkpoint(path):
+            continue
+        m = re.search(r"(\d+)$", name)
+        found.append((int(m.group(1)) if m else -1, os.path.getmtime(path), path))
+    return max(found)[2] if found else None
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    reshard_model(model)
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def save_sharded(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra_state: dict[str, Any] | None,
+    ckpt_dir: str,
+) -> str:
+    """Write model + optimizer shards (DCP) and this rank's ``extra_state`` to ``ckpt_dir``.
+
+    Collective. Writes into ``ckpt_dir + ".tmp"``, barriers, then rank 0 replaces ``ckpt_dir``
+    with it and writes the ``COMPLETE`` marker. ``extra_state`` is saved per rank with
+    ``torch.save`` (so per-rank RNG states survive). Returns ``ckpt_dir``. All ranks must see
+    the same file system (rank 0 renames the staging directory).
+    """
+    ckpt_dir = os.path.normpath(ckpt_dir)
+    staging = ckpt_dir + STAGING_SUFFIX
+    rank = _rank()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    _barrier()
+    os.makedirs(staging, exist_ok=True)
+    dcp.save(_state(model, optimizer), checkpoint_id=staging)
+    torch.save(extra_state or {}, os.path.join(staging, _EXTRA.format(rank)))
+    _barrier()
+    if rank == 0:
+        if os.path.exists(ckpt_dir):  # overwrite: un-mark the old one first, so a crash
+            marker = os.path.join(ckpt_dir, COMPLETE_MARKER)  # never leaves a marked mix
+            if os.path.exists(marker):
+                os.remove(marker)
+            shutil.rmtree(ckpt_dir)
+        os.replace(staging, ckpt_dir)
+        marker = os.path.join(ckpt_dir, COMPLETE_MARKER)
+        with open(marker, "w") as f:
+            json.dump({"world_size": world, "time": time.time()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    _barrier()
+    return ckpt_dir
+
+
+def load_sharded(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    ckpt_dir: str,
+) -> dict[str, Any]:
+    """Load a :func:`save_sharded` checkpoint in place; returns this rank's ``extra_state``.
+
+    Collective. The model must already be sharded (``apply_fsdp``) and the optimizer built on its
+    parameters; the mesh may differ from the one that saved (DCP reshards). ``extra_state`` falls
+    back to rank 0's when this rank has none (different world size).
+
+    Raises:
+        FileNotFoundError: ``ckpt_dir`` lacks the ``COMPLETE`` marker (an interrupted save).
+    """
+    ckpt_dir = os.path.normpath(ckpt_dir)
+    if not is_complete_checkpoint(ckpt_dir):
+        raise FileNotFoundError(
+            f"{ckpt_dir!r} is not a complete checkpoint (no {COMPLETE_MARKER} marker); "
+            "use latest_complete_checkpoint(root) to find one"
+        )
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+    path = os.path.join(ckpt_dir, _EXTRA.format(_rank()))
+    if not os.path.isfile(path):
+        path = os.path.join(ckpt_dir, _EXTRA.format(0))
+    extra = torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else {}
+    _barrier()
+    return extra
+
+
+# ---- RNG helpers for extra_state ------------------------------------------------------------
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy (if installed), torch CPU and accelerator RNG states of this process."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    for dev in ("cuda", "npu"):
+        mod = getattr(torch, dev, None)
+        if mod is not None and getattr(mod, "is_available", lambda: False)():
+            state[dev] = mod.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state` (missing entries are left alone)."""
+    if "python" in state:
+        random.setstate(state["python"])
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    for dev in ("cuda", "npu"):
+        mod = getattr(torch, dev, None)
+        if dev in state and mod is not None:
+            mod.set_rng_state_all(state[dev])

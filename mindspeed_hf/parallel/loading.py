@@ -1,0 +1,327 @@
+"""Meta-device construction and per-rank sharded loading of Hugging Face safetensors checkpoints.
+
+The flow (:func:`from_pretrained_sharded`)::
+
+    meta model (no memory)  ->  apply_fsdp (DTensor shards, still meta)  ->  to_empty(device)
+      ->  recompute non-persistent buffers (rotary inv_freq)  ->  read each rank's rows from disk
+
+Every rank reads only the rows of dim 0 its ``Shard(0)`` placement owns (``torch.chunk`` semantics:
+chunk size ``ceil(n / world)``, trailing ranks may get fewer or no rows), straight from the
+safetensors files with ``safe_open(...).get_slice``; no rank ever holds the full model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .fsdp import apply_fsdp, unwrap_hf_model
+
+__all__ = [
+    "build_meta_model",
+    "from_pretrained_sharded",
+    "init_nonpersistent_buffers",
+    "load_sharded_safetensors",
+    "local_shard_slices",
+    "materialize_meta_model",
+]
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+
+
+def build_meta_model(
+    config: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    model_cls: Any = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """``model_cls.from_config(config)`` on the meta device (default ``AutoModelForCausalLM``)."""
+    if model_cls is None:
+        from transformers import AutoModelForCausalLM
+
+        model_cls = AutoModelForCausalLM
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    with torch.device("meta"):
+        if hasattr(model_cls, "from_config"):
+            model = model_cls.from_config(config, **kwargs)
+        else:  # a concrete PreTrainedModel class
+            model = model_cls._from_config(config, **kwargs)
+    return model
+
+
+def local_shard_slices(
+    global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Any]
+) -> tuple[slice, ...]:
+    """This rank's slice of a tensor of ``global_shape`` under ``placements`` on ``mesh``.
+
+    ``Shard(d)`` chunks dim ``d`` like ``torch.chunk`` (chunk size ``ceil(n / mesh size)``; trailing
+    ranks may be short or empty); ``Replicate()`` keeps the whole dim.
+    """
+    bounds = [[0, int(s)] for s in global_shape]
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("local_shard_slices: this rank is not part of the mesh")
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard:
+            raise NotImplementedError(
+                f"local_shard_slices: placement {placement} is not supported; valid choices: "
+                "Shard(d), Replicate()"
+            )
+        d = placement.dim if placement.dim >= 0 else placement.dim + len(bounds)
+        start, end = bounds[d]
+        n = mesh.size(mesh_dim)
+        chunk = math.ceil((end - start) / n) if end > start else 0
+        lo = min(start + coord[mesh_dim] * chunk, end)
+        hi = min(lo + chunk, end)
+        bounds[d] = [lo, hi]
+    return tuple(slice(lo, hi) for lo, hi in bounds)
+
+
+def _owner_map(model: nn.Module) -> dict[int, nn.Module]:
+    """id(module) -> the innermost transformers PreTrainedModel that contains it."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return {}
+    owners: dict[int, nn.Module] = {}
+
+    def walk(module: nn.Module, owner: nn.Module | None) -> None:
+        if isinstance(module, PreTrainedModel):
+            owner = module
+        if owner is not None:
+            owners[id(module)] = owner
+        for child in module.children():
+            walk(child, owner)
+
+    walk(model, None)
+    return owners
+
+
+@torch.no_grad()
+def init_nonpersistent_buffers(model: nn.Module) -> list[str]:
+    """Recompute buffers that no checkpoint holds (rotary ``inv_freq``...) after meta init.
+
+    Each module owning a non-persistent buffer is re-initialised by its model's ``_init_weights``
+    (transformers 5 recomputes rotary buffers there). Returns the buffer names handled; warns about
+    any buffer that ``_init_weights`` left untouched.
+    """
+    owners = _owner_map(model)
+    done: list[str] = []
+    for mod_name, module in model.named_modules():
+        names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
+        if not names:
+            continue
+        owner = owners.get(id(module))
+        init_fn = getattr(owner, "_init_weights", None)
+        for n in names:
+            if module._buffers[n].is_floating_point():
+                module._buffers[n].fill_(float("nan"))
+        if init_fn is not None:
+            for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+                if hasattr(t, "_is_hf_initialized"):
+                    del t._is_hf_initialized
+            init_fn(module)
+        for n in names:
+            full = f"{mod_name}.{n}" if mod_name else n
+            buf = module._buffers[n]
+            if buf.is_floating_point() and torch.isnan(buf).all():
+                warnings.warn(
+                    f"init_nonpersistent_buffers: nothing recomputes {full} "
+                    f"({type(module).__name__}); it stays uninitialised",
+                    stacklevel=2,
+                )
+            else:
+                done.append(full)
+    return done
+
+
+def materialize_meta_model(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``to_empty(device)`` a (possibly sharded) meta model and recompute its non-persistent buffers.
+
+    Parameters and persistent buffers are left uninitialised: load them next.
+    """
+    model.to_empty(device=device)
+    hf = unwrap_hf_model(model)
+    if hasattr(hf, "tie_weights") and getattr(hf.config, "tie_word_embeddings", False):
+        emb, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+        if emb is not None and head is not None and emb.weight is not head.weight:
+            raise RuntimeError("materialize_meta_model: to_empty untied the tied embeddings")
+    init_nonpersistent_buffers(model)
+    return model
+
+
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """tensor name -> safetensors file for an HF model directory (single file or sharded index)."""
+    index = os.path.join(path, SAFE_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    single = os.path.join(path, SAFE_SINGLE)
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(
+        f"no {SAFE_SINGLE} or {SAFE_INDEX} in {path!r} (only safetensors checkpoints are supported)"
+    )
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """name -> other names of the same parameter (tied weights), as state_dict keys."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    aliases: dict[str, list[str]] = {}
+    for names in by_id.values():
+        for n in names:
+            aliases[n] = [m for m in names if m != n]
+    hf = unwrap_hf_model(model)
+    prefix = _prefix_of(model, hf)
+    for target, source in (getattr(hf, "all_tied_weights_keys", None) or {}).items():
+        aliases.setdefault(prefix + target, []).append(prefix + source)
+        aliases.setdefault(prefix + source, []).append(prefix + target)
+    return aliases
+
+
+def _prefix_of(model: nn.Module, sub: nn.Module) -> str:
+    if sub is model:
+        return ""
+    for name, m in model.named_modules():
+        if m is sub:
+            return name + "."
+    return ""
+
+
+@torch.no_grad()
+def load_sharded_safetensors(
+    model: nn.Module, path: str, *, strict: bool = True, window_bytes: int = 16 << 20
+) -> list[str]:
+    """Fill ``model``'s parameters (each rank its own ``Shard(0)`` rows) and persistent buffers.
+
+    Works for DTensor (FSDP-sharded) and plain tensors alike; values are cast to the parameter
+    dtype. Tied weights missing from the checkpoint are read under their partner's name.
+    Returns the names that were not found (raises instead when ``strict``). Files are re-opened
+    every ``window_bytes`` read so the mapped pages a rank has touched stay bounded.
+    """
+    from safetensors import safe_open
+
+    files = _checkpoint_files(path)
+    aliases = _tied_aliases(model)
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for mod_name, module in model.named_modules():
+        for n, buf in module._buffers.items():
+            if buf is not None and n not in module._non_persistent_buffers_set:
+                targets[f"{mod_name}.{n}" if mod_name else n] = buf
+    plan: dict[str, list[tuple[str, str, torch.Tensor]]] = {}
+    missing: list[str] = []
+    for name, tensor in targets.items():
+        key = name if name in files else next((a for a in aliases.get(name, []) if a in files), None)
+        if key is None:
+            missing.append(name)
+            continue
+        plan.setdefault(files[key], []).append((name, key, tensor))
+    if missing and strict:
+        raise KeyError(
+            f"load_sharded_safetensors: {len(missing)} tensors missing from {path!r}: "
+            f"{missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
+    for file, items in plan.items():
+        # Re-open the file every `window_bytes` read: the pages a rank touched stay mapped (and
+        # count in its RSS) until the mapping closes, so this bounds the transient to ~a window.
+        i = 0
+        while i < len(items):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                budget = 0
+                while i < len(items) and budget < window_bytes:
+                    budget += _read_one(f, file, *items[i])
+                    i += 1
+    return missing
+
+
+def _read_one(f: Any, file: str, name: str, key: str, tensor: torch.Tensor) -> int:
+    """Copy this rank's part of checkpoint tensor ``key`` into ``tensor``; returns bytes read."""
+    piece = f.get_slice(key)
+    shape = tuple(piece.get_shape())
+    if shape != tuple(tensor.shape):
+        raise ValueError(
+            f"load_sharded_safetensors: {name} has shape {tuple(tensor.shape)} in the model but "
+            f"{shape} in {file!r}"
+        )
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
+        slices = local_shard_slices(shape, tensor.device_mesh, tensor.placements)
+        rows = piece[slices] if shape else f.get_tensor(key)
+        if tuple(rows.shape) != tuple(local.shape):
+            raise RuntimeError(
+                f"load_sharded_safetensors: {name}: computed shard {tuple(rows.shape)} != local "
+                f"shard {tuple(local.shape)} ({tensor.placements})"
+            )
+    else:
+        local, rows = tensor, f.get_tensor(key)
+    local.copy_(rows)
+    return rows.numel() * rows.element_size()
+
+
+def from_pretrained_sharded(
+    path: str,
+    mesh: DeviceMesh,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    config: Any = None,
+    model_cls: Any = None,
+    fsdp_kwargs: dict[str, Any] | None = None,
+    strict: bool = True,
+) -> nn.Module:
+    """Build an FSDP2-sharded model from an HF checkpoint directory without a full copy per rank.
+
+    Args:
+        path: directory with ``config.json`` and safetensors weights.
+        mesh: the FSDP mesh (see :func:`~mindspeed_hf.parallel.fsdp_mesh`).
+        device: where the shards live (default: the mesh's device type, current index).
+        dtype: parameter dtype (default: the config's dtype, else float32).
+        config: a config to use instead of ``path``'s.
+        model_cls: ``AutoModelForCausalLM`` by default.
+        fsdp_kwargs: keyword arguments for :func:`~mindspeed_hf.parallel.apply_fsdp`.
+    """
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    if device is None:
+        device = _mesh_device(mesh)
+    model = build_meta_model(config, dtype=dtype, model_cls=model_cls)
+    apply_fsdp(model, mesh, **(fsdp_kwargs or {}))
+    materialize_meta_model(model, device)
+    load_sharded_safetensors(model, path, strict=strict)
+    model.eval()  # like from_pretrained
+    return model
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    dt = mesh.device_type
+    if dt == "cpu":
+        return torch.device("cpu")
+    mod = getattr(torch, dt, None)
+    index = mod.current_device() if mod is not None and hasattr(mod, "current_device") else 0
+    return torch.device(dt, index)

@@ -1,0 +1,97 @@
+"""ParallelDims validation and shard-slice arithmetic (no process group needed)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MINDSPEED_HF_AUTO", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+
+from mindspeed_hf.parallel.dims import ParallelDims, backend_for  # noqa: E402
+from mindspeed_hf.parallel.loading import local_shard_slices  # noqa: E402
+
+
+def test_fill_in_and_properties():
+    d = ParallelDims(world_size=8)
+    assert (d.dp_replicate, d.dp_shard, d.cp, d.ep) == (1, 8, 1, 1)
+    assert d.fsdp_enabled and not d.hsdp and not d.cp_enabled and not d.ep_enabled
+    assert d.dp_size == 8 and d.fsdp_size == 8
+
+    d = ParallelDims(dp_replicate=2, cp=2, ep=2, world_size=8)
+    assert d.dp_shard == 2 and d.fsdp_size == 4 and d.dp_size == 4
+    assert d.hsdp and d.cp_enabled and d.ep_enabled
+
+    d = ParallelDims(dp_replicate=4, world_size=4)  # pure replication (DDP-like)
+    assert d.dp_shard == 1 and not d.fsdp_enabled and not d.hsdp
+
+    d = ParallelDims(world_size=1)
+    assert d.dp_shard == 1 and not d.fsdp_enabled
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(dp_replicate=3, world_size=8), ["dp_replicate * cp", "3", "world_size=8", "[1, 2, 4, 8]"]),
+        (dict(dp_shard=3, world_size=8), ["1 * 3 * 1 = 3", "world_size=8", "dp_shard=-1"]),
+        (dict(dp_shard=2, cp=2, ep=3, world_size=4), ["ep=3", "2 * 2 = 4", "[1, 2, 4]"]),
+        (dict(cp=0, world_size=4), ["cp must be", "cp=0", "[1, 2, 4]"]),
+        (dict(ep=-2, world_size=4), ["ep must be", "ep=-2"]),
+        (dict(dp_shard=0, world_size=4), ["dp_shard", "dp_shard=0"]),
+        (dict(world_size=0), ["world_size", "0"]),
+        (dict(dp_replicate=2, dp_shard=2, cp=2, world_size=4), ["2 * 2 * 2 = 8", "world_size=4"]),
+    ],
+)
+def test_invalid_sizes_name_sizes_and_choices(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        ParallelDims(**kwargs)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_backend_map():
+    assert backend_for("cpu") == "gloo"
+    assert backend_for("cuda") == "nccl"
+    assert backend_for("npu") == "hccl"
+    with pytest.raises(ValueError, match="valid choices"):
+        backend_for("tpu")
+
+
+def test_mesh_helpers_need_a_built_mesh():
+    d = ParallelDims(world_size=2)
+    with pytest.raises(RuntimeError, match="build_mesh"):
+        d.world_mesh  # noqa: B018
+
+
+class _FakeMesh:
+    """Stands in for a DeviceMesh: sizes per dim and this rank's coordinate."""
+
+    def __init__(self, sizes, coord):
+        self._sizes, self._coord = sizes, coord
+
+    def size(self, dim):
+        return self._sizes[dim]
+
+    def get_coordinate(self):
+        return list(self._coord)
+
+
+@pytest.mark.parametrize("rows, world", [(5, 2), (5, 4), (131, 2), (7, 3), (2, 4), (0, 2)])
+def test_local_shard_slices_follow_torch_chunk(rows, world):
+    t = torch.arange(rows * 3).reshape(rows, 3)
+    chunks = list(torch.chunk(t, world, dim=0)) if rows else []
+    for r in range(world):
+        expected = chunks[r] if r < len(chunks) else t[rows:]
+        got = t[local_shard_slices(t.shape, _FakeMesh([world], [r]), [Shard(0)])]
+        assert torch.equal(got, expected), (rows, world, r)
+
+
+def test_local_shard_slices_hsdp():
+    t = torch.arange(10 * 2).reshape(10, 2)
+    for rep in range(2):
+        for r in range(2):
+            mesh = _FakeMesh([2, 2], [rep, r])
+            got = t[local_shard_slices(t.shape, mesh, [Replicate(), Shard(0)])]
+            assert torch.equal(got, torch.chunk(t, 2)[r])
