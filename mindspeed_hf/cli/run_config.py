@@ -1,0 +1,241 @@
+"""The YAML run description of `mindspeed-hf train`, in the spirit of MindSpeed-MM's run files.
+
+Sections: `model` (a config to build from scratch, or a local model directory, plus the tokenizer), `data`
+(JSONL prompt/completion files, max length, packing), `parallel` and `features` (the accelerator config:
+mindspeed_hf.config), `training` (any transformers.TrainingArguments key), `evaluation` (the before/after
+quality check) and `runtime` (process settings). Everything is checked here, before any model is built:
+unknown keys name the key and the valid ones, and missing files name the setting that points at them.
+
+Relative paths are relative to the YAML file; `builtin:NAME` names a file shipped in cli/default_run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import KernelConfig, MemoryConfig, MindSpeedConfig, ParallelConfig, config_from_dict, read_config_file
+from .default_run import DEFAULT_RUN_CONFIG, DEFAULT_RUN_DIR
+
+BUILTIN = "builtin:"
+
+
+@dataclass
+class ModelSpec:
+    """Which model to train: `config` (dict, or a path to config.json / a dir) builds it from scratch;
+    `name_or_path` (a local directory) loads pretrained weights."""
+
+    config: dict[str, Any] | str | None = None
+    name_or_path: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "float32"
+    attn_implementation: str | None = None
+
+
+@dataclass
+class DataSpec:
+    """JSONL files with prompt/completion fields; loss only on the completion."""
+
+    train: str | None = None
+    eval: str | None = None
+    eval_fraction: float = 0.05  # held out of `train` when no `eval` file is given
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    max_length: int = 64
+    packing: bool = False
+
+
+@dataclass
+class EvalSpec:
+    """The before/after check: held-out loss, and exact match of greedy answers to `num_prompts` prompts."""
+
+    enabled: bool = True
+    num_prompts: int = 100
+    max_new_tokens: int = 16
+
+
+@dataclass
+class RuntimeSpec:
+    """Process settings. `cpu_threads`: torch threads when running on the CPU (None keeps torch's default);
+    tiny models train faster on one thread than split across cores."""
+
+    cpu_threads: int | None = None
+
+
+@dataclass
+class RunConfig:
+    """A validated run description."""
+
+    model: ModelSpec
+    data: DataSpec
+    mindspeed: MindSpeedConfig
+    training: dict[str, Any] = field(default_factory=dict)
+    evaluation: EvalSpec = field(default_factory=EvalSpec)
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    source: str = "<dict>"
+
+
+SECTIONS = ("model", "data", "parallel", "features", "training", "evaluation", "runtime")
+# `features` is flat, MindSpeed-MM style: the backend, every kernel switch and every memory feature.
+FEATURE_KEYS = ("backend", *(f.name for f in dataclasses.fields(KernelConfig)),
+                *(f.name for f in dataclasses.fields(MemoryConfig)))
+
+
+def _check_keys(where: str, values: Any, valid: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be a mapping with keys: {', '.join(valid)}")
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        names = ", ".join(f"{where}.{k}" if where else k for k in unknown)
+        raise ValueError(f"unknown key(s) {names}; valid keys{' in ' + where if where else ''}: {', '.join(valid)}")
+    return dict(values)
+
+
+def _spec(where: str, cls: type, values: Any) -> Any:
+    return cls(**_check_keys(where, values, [f.name for f in dataclasses.fields(cls)]))
+
+
+def resolve_path(value: str, base: Path) -> Path:
+    """`builtin:NAME` -> the shipped default_run file; relative -> relative to the YAML file's directory."""
+    if value.startswith(BUILTIN):
+        return DEFAULT_RUN_DIR / value[len(BUILTIN):]
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def _existing(setting: str, value: str | None, base: Path, required: bool = True) -> str | None:
+    if value is None:
+        if required:
+            raise ValueError(f"{setting} is required (a path)")
+        return None
+    path = resolve_path(str(value), base)
+    if not path.exists():
+        raise FileNotFoundError(f"{setting}: {str(path)!r} does not exist")
+    return str(path)
+
+
+def training_keys() -> list[str]:
+    """The TrainingArguments keys the `training` section accepts."""
+    from transformers import TrainingArguments
+
+    return [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+
+
+def _validate_model(spec: ModelSpec, base: Path) -> ModelSpec:
+    if (spec.config is None) == (spec.name_or_path is None):
+        raise ValueError("model: give exactly one of model.config (build from scratch) or model.name_or_path "
+                         "(a local model directory)")
+    if spec.name_or_path is not None:
+        spec.name_or_path = _existing("model.name_or_path", spec.name_or_path, base)
+    if isinstance(spec.config, str):
+        spec.config = _existing("model.config", spec.config, base)
+    elif isinstance(spec.config, dict) and "model_type" not in spec.config:
+        raise ValueError("model.config needs a model_type (e.g. qwen3, llama)")
+    spec.tokenizer = _existing("model.tokenizer", spec.tokenizer or spec.name_or_path, base)
+    if spec.dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"model.dtype={spec.dtype!r} is not valid; choose one of float32, bfloat16, float16")
+    return spec
+
+
+def _validate_data(spec: DataSpec, base: Path) -> DataSpec:
+    spec.train = _existing("data.train", spec.train, base)
+    spec.eval = _existing("data.eval", spec.eval, base, required=False)
+    if spec.max_length < 2:
+        raise ValueError(f"data.max_length={spec.max_length} must be >= 2")
+    if not 0.0 <= spec.eval_fraction < 1.0:
+        raise ValueError(f"data.eval_fraction={spec.eval_fraction} must be in [0, 1)")
+    return spec
+
+
+def _validate_runtime(spec: RuntimeSpec) -> RuntimeSpec:
+    if spec.cpu_threads is not None and (not isinstance(spec.cpu_threads, int) or spec.cpu_threads < 1):
+        raise ValueError(f"runtime.cpu_threads={spec.cpu_threads!r} must be a positive integer or null")
+    return spec
+
+
+def mindspeed_config_from_sections(parallel: Any, features: Any) -> MindSpeedConfig:
+    """Map the flat `features` section and the `parallel` section onto one validated MindSpeedConfig."""
+    features = _check_keys("features", features, FEATURE_KEYS)
+    parallel = _check_keys("parallel", parallel, [f.name for f in dataclasses.fields(ParallelConfig)])
+    kernel_keys = {f.name for f in dataclasses.fields(KernelConfig)}
+    data: dict[str, Any] = {
+        "kernels": {k: v for k, v in features.items() if k in kernel_keys},
+        "memory": {k: v for k, v in features.items() if k not in kernel_keys and k != "backend"},
+        "parallel": parallel,
+    }
+    if "backend" in features:
+        data["backend"] = features["backend"]
+    return config_from_dict(data)
+
+
+def parse_run_config(data: dict[str, Any], base: Path, source: str = "<dict>") -> RunConfig:
+    """Validate a run description given as a dict (paths relative to `base`)."""
+    data = _check_keys("", data, SECTIONS)
+    stray = sorted(k for k in (data.get("training") or {}) if str(k).startswith("mindspeed_"))
+    if stray:
+        raise ValueError(f"training.{stray[0]}: accelerator settings go in the `features` and `parallel` sections "
+                         f"(features: {', '.join(FEATURE_KEYS)})")
+    training = _check_keys("training", data.get("training"), training_keys())
+    return RunConfig(
+        model=_validate_model(_spec("model", ModelSpec, data.get("model")), base),
+        data=_validate_data(_spec("data", DataSpec, data.get("data")), base),
+        mindspeed=mindspeed_config_from_sections(data.get("parallel"), data.get("features")),
+        training=training,
+        evaluation=_spec("evaluation", EvalSpec, data.get("evaluation")),
+        runtime=_validate_runtime(_spec("runtime", RuntimeSpec, data.get("runtime"))),
+        source=source,
+    )
+
+
+def load_run_config(path: str | Path | None = None) -> RunConfig:
+    """Read and validate a run YAML; with no path, the embedded default run."""
+    file = Path(path) if path is not None else DEFAULT_RUN_CONFIG
+    try:
+        data = read_config_file(file)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"run config: {err}") from None
+    try:
+        return parse_run_config(data, file.resolve().parent, source=str(file))
+    except (ValueError, FileNotFoundError) as err:
+        raise type(err)(f"{file}: {err}") from None
+
+
+def build_training_args(run: RunConfig, overrides: list[str], accelerated: bool):
+    """TrainingArguments from the `training` section plus `--key value` overrides from the command line.
+
+    With the accelerator on, MindSpeedTrainingArguments carrying the run's MindSpeedConfig; with it off (the
+    bench baseline, MINDSPEED_HF_AUTO=0), plain TrainingArguments. Built before the model, so bad values fail
+    first.
+    """
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from ..trainers.arguments import MindSpeedTrainingArguments
+
+    cls = MindSpeedTrainingArguments if accelerated else TrainingArguments
+    defaults = dict(run.training)
+    defaults.setdefault("output_dir", "./mindspeed_hf_output")
+    # Tokens seen per step feed the tokens/s in the log.
+    defaults.setdefault("include_num_input_tokens_seen", "non_padding")
+    if accelerated:
+        defaults.update(MindSpeedTrainingArguments.fields_from_config(run.mindspeed))
+    elif run.mindspeed.memory.recompute:
+        # The plain-HF baseline does the same work through HF's own switch, so bench compares like with like.
+        defaults.setdefault("activation_checkpointing", True)
+        defaults.setdefault("activation_checkpointing_kwargs", {"use_reentrant": False})
+    parser = HfArgumentParser(cls)
+    # Parse only what the command line gives (argparse would also run YAML strings through its type converters:
+    # "non_padding" is not a bool), then lay it over the YAML values and build the dataclass from the dict.
+    for action in parser._actions:
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
+    given, remaining = parser.parse_known_args(list(overrides))
+    if remaining:
+        raise ValueError(f"unknown training argument(s) {' '.join(remaining)}; valid: --<TrainingArguments key> "
+                         f"value, e.g. --output_dir DIR --max_steps 5 (keys: {', '.join(training_keys())})")
+    (args,) = parser.parse_dict({**defaults, **vars(given)})
+    return args

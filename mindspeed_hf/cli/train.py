@@ -1,0 +1,200 @@
+"""`mindspeed-hf train`: one SFT run from a YAML run description (or the embedded default).
+
+It prints held-out loss and exact-match accuracy of greedy answers before and after training, logs loss,
+tokens/s and peak memory while training, and writes an HF checkpoint (model + tokenizer) that
+`AutoModelForCausalLM.from_pretrained` loads. With `--metrics-file` it also writes the numbers as JSON
+(read by `mindspeed-hf bench`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from ..device import detect_device_type, peak_memory_bytes, reset_peak_memory
+from .data import PaddingCollator, split_rows, tokenize_rows
+from .run_config import ModelSpec, RunConfig, build_training_args
+
+logger = logging.getLogger("mindspeed_hf")
+
+
+class ThroughputCallback(TrainerCallback):
+    """Adds tokens/s and peak memory to every log line, and keeps every logged loss by step."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.losses: dict[int, float] = {}
+        self._mark = (time.perf_counter(), 0)
+        self._after_first: tuple[float, int] | None = None
+        self._end: tuple[float, int] | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        reset_peak_memory(self.device_type)
+        self._mark = (time.perf_counter(), state.num_input_tokens_seen)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = (time.perf_counter(), state.num_input_tokens_seen)
+        if self._after_first is None:  # the first step pays one-time costs: keep it out of tokens/s
+            self._after_first = now
+        self._end = now
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs:
+            return
+        self.losses[state.global_step] = float(logs["loss"])
+        now = (time.perf_counter(), state.num_input_tokens_seen)
+        seconds, tokens = now[0] - self._mark[0], now[1] - self._mark[1]
+        if seconds > 0 and tokens > 0:
+            logs["tokens_per_s"] = round(tokens / seconds, 1)
+        logs["peak_mem_mib"] = round(peak_memory_bytes(self.device_type) / 2**20, 1)
+        self._mark = now
+
+    def tokens_per_second(self) -> float | None:
+        """Steady-state throughput: tokens after the first step over the time after it."""
+        if self._after_first is None or self._end is None or self._end[0] <= self._after_first[0]:
+            return None
+        return (self._end[1] - self._after_first[1]) / (self._end[0] - self._after_first[0])
+
+
+def build_model(spec: ModelSpec, tokenizer: Any):
+    """The causal LM the spec describes: from scratch (config) or pretrained (name_or_path)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, spec.dtype)
+    kwargs = {"dtype": dtype}
+    if spec.attn_implementation:
+        kwargs["attn_implementation"] = spec.attn_implementation
+    if spec.name_or_path is not None:
+        return AutoModelForCausalLM.from_pretrained(spec.name_or_path, **kwargs)
+    if isinstance(spec.config, str):
+        config = AutoConfig.from_pretrained(spec.config)
+    else:
+        values = dict(spec.config)
+        values.setdefault("vocab_size", len(tokenizer))
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            values.setdefault(name, getattr(tokenizer, name))
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+@torch.no_grad()
+def exact_match(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, str]], max_new_tokens: int) -> float:
+    """Share of prompts whose greedy answer equals the reference completion (whitespace-trimmed)."""
+    if not rows:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    correct = 0
+    for row in rows:  # one at a time: no padding, so nothing about the answer depends on the batch
+        ids = tokenizer(row["prompt"], return_tensors="pt")["input_ids"].to(device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        correct += answer.strip() == row["completion"].strip()
+    model.train(was_training)
+    return correct / len(rows)
+
+
+def _quality(trainer: Any, tokenizer: Any, rows: list[dict[str, str]], run: RunConfig) -> dict[str, float]:
+    loss = trainer.evaluate()["eval_loss"] if trainer.eval_dataset is not None else float("nan")
+    prompts = rows[: run.evaluation.num_prompts]
+    acc = exact_match(trainer.model, tokenizer, prompts, run.evaluation.max_new_tokens)
+    return {"eval_loss": float(loss), "exact_match": acc, "num_prompts": len(prompts)}
+
+
+def _accelerator_state(result: dict[str, Any]) -> str:
+    if not result["accelerated"]:
+        return "off"
+    return "on: " + result["applied"] if result["applied"] != "nothing" else "on, but no kernel applies to this model"
+
+
+def _print_summary(result: dict[str, Any]) -> None:
+    lines = [f"\nmindspeed-hf train: {result['model_type']} ({result['params'] / 1e6:.2f}M params) on "
+             f"{result['device']}, accelerator {_accelerator_state(result)}"]
+    if result.get("before"):
+        lines.append(f"{'':16}{'held-out loss':>14}{'exact match':>16}")
+        for name in ("before", "after"):
+            q = result[name]
+            n = q["num_prompts"]
+            match = f"{round(q['exact_match'] * n)}/{n} ({100 * q['exact_match']:.1f}%)"
+            lines.append(f"{name + ' training':16}{q['eval_loss']:>14.4f}{match:>16}")
+    tps = result["tokens_per_s"]
+    lines.append(f"steps {result['steps']} in {result['train_runtime_s']:.1f} s | tokens/s "
+                 f"{tps:,.0f} | peak memory {result['peak_memory_bytes'] / 2**20:,.0f} MiB"
+                 if tps else f"steps {result['steps']} in {result['train_runtime_s']:.1f} s")
+    lines.append(f"checkpoint: {result['output_dir']} (AutoModelForCausalLM.from_pretrained loads it)")
+    print("\n".join(lines), flush=True)
+
+
+def training_args_for(run: RunConfig, overrides: list[str] | None = None):
+    """The run's TrainingArguments (MindSpeedTrainingArguments when the accelerator is on; MINDSPEED_HF_AUTO=0
+    gives the plain-HF baseline). Built before the model, so bad values fail first."""
+    import mindspeed_hf
+
+    return build_training_args(run, overrides or [], mindspeed_hf.is_enabled())
+
+
+def run_training(run: RunConfig, args: Any = None, metrics_file: str | None = None,
+                 quality_eval: bool | None = None) -> dict[str, Any]:
+    """Run one SFT job with `args` (default: training_args_for(run)); returns (and optionally writes) metrics."""
+    from transformers import AutoTokenizer, Trainer, set_seed
+
+    import mindspeed_hf
+
+    started = time.perf_counter()
+    accelerated = mindspeed_hf.is_enabled()
+    if args is None:
+        args = training_args_for(run)
+    if accelerated:
+        mindspeed_hf.enable(run.mindspeed)  # class patches follow the run's features
+    tokenizer = AutoTokenizer.from_pretrained(run.model.tokenizer)
+    train_rows, eval_rows = split_rows(run.data, args.seed)
+    train_ds = tokenize_rows(train_rows, tokenizer, run.data)
+    eval_ds = tokenize_rows(eval_rows, tokenizer, run.data, packing=False) if eval_rows else None
+    set_seed(args.seed)
+    model = build_model(run.model, tokenizer)
+    device_type = detect_device_type()
+    if device_type == "cpu" and run.runtime.cpu_threads:
+        torch.set_num_threads(run.runtime.cpu_threads)
+    throughput = ThroughputCallback(device_type)
+    trainer_cls = mindspeed_hf.MindSpeedTrainer if accelerated else Trainer
+    trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                          data_collator=PaddingCollator(tokenizer.pad_token_id), processing_class=tokenizer,
+                          callbacks=[throughput])
+    do_quality = run.evaluation.enabled if quality_eval is None else quality_eval
+    before = _quality(trainer, tokenizer, eval_rows, run) if do_quality else None
+    output = trainer.train()
+    after = _quality(trainer, tokenizer, eval_rows, run) if do_quality else None
+    trainer.save_model(args.output_dir)
+    tokenizer.save_pretrained(args.output_dir)
+    report = mindspeed_hf.report(trainer.model)
+    result = {
+        "accelerated": accelerated,
+        "device": device_type,
+        "model_type": model.config.model_type,
+        "params": sum(p.numel() for p in model.parameters()),
+        "report": report,
+        "applied": ", ".join(f"{op} x{n}" for op, n in report["kernels"].items() if n) or "nothing",
+        "steps": output.global_step,
+        "losses": {str(k): v for k, v in sorted(throughput.losses.items())},
+        "train_loss": output.training_loss,
+        "tokens_per_s": throughput.tokens_per_second(),
+        "peak_memory_bytes": peak_memory_bytes(device_type),
+        "train_runtime_s": output.metrics.get("train_runtime", 0.0),
+        "total_runtime_s": time.perf_counter() - started,
+        "before": before,
+        "after": after,
+        "output_dir": str(Path(args.output_dir)),
+    }
+    _print_summary(result)
+    if metrics_file:
+        Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(metrics_file).write_text(json.dumps(result, indent=1, default=str))
+    return result

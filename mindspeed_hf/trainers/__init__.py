@@ -1,0 +1,14 @@
+"""Trainer integration: MindSpeedTrainingArguments, MindSpeedTrainer, and the drop-in wiring that makes a plain
+transformers.Trainer (and TRL's SFTTrainer) behave the same after `import mindspeed_hf`."""
+
+from .arguments import MindSpeedTrainingArguments
+from .trainer import MindSpeedTrainer
+from .wiring import install_trainer_wiring, is_installed, uninstall_trainer_wiring
+
+__all__ = [
+    "MindSpeedTrainer",
+    "MindSpeedTrainingArguments",
+    "install_trainer_wiring",
+    "is_installed",
+    "uninstall_trainer_wiring",
+]

@@ -1,0 +1,168 @@
+"""MindSpeedTrainer: transformers.Trainer that accelerates the model it is given.
+
+The model is settled BEFORE Trainer.__init__ runs, because Trainer's __init__ already inspects it (loss kwargs,
+label names), moves it to the device and builds the accelerator around it. `_mindspeed_prepare_model` is the
+one hook that does it: today kernels and recompute; later also the device mesh and FSDP2 sharding.
+
+The helpers below only use attributes they set themselves (`_mindspeed_*`) and Trainer's public ones, so the
+drop-in wiring (wiring.py) runs exactly the same code on a plain `transformers.Trainer` or TRL's SFTTrainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+from ..config import MindSpeedConfig
+from .arguments import MindSpeedTrainingArguments
+
+logger = logging.getLogger("mindspeed_hf")
+
+
+def resolve_config(args: TrainingArguments | None) -> MindSpeedConfig:
+    """The accelerator config for a trainer: from MindSpeedTrainingArguments, else the active one
+    (what `import mindspeed_hf` enabled: MINDSPEED_HF_CONFIG or the defaults)."""
+    if isinstance(args, MindSpeedTrainingArguments):
+        return args.mindspeed_config()
+    import mindspeed_hf
+
+    return mindspeed_hf.get_config()
+
+
+def _activate(config: MindSpeedConfig) -> None:
+    """Make `config` the active one: the class-level patches must match what this trainer asked for."""
+    import mindspeed_hf
+
+    if mindspeed_hf.is_enabled() and mindspeed_hf.get_config() == config:
+        return
+    if mindspeed_hf.is_enabled():
+        logger.info("mindspeed_hf: the training arguments ask for another config than the active one; switching")
+    mindspeed_hf.enable(config)
+
+
+def enable_recompute(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing through HF's own switch (also through a PEFT wrapper).
+
+    Non-reentrant because the reentrant variant needs inputs that require grad (breaks frozen-base LoRA) and
+    does not compose with FSDP2.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        logger.warning("mindspeed_hf: recompute asked for, but %s has no activation checkpointing switch; it is off",
+                       type(model).__name__)
+        return
+    logger.info("mindspeed_hf: recompute is on (non-reentrant activation checkpointing on every decoder layer)")
+
+
+def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpeedConfig:
+    """Resolve and activate the config for `trainer` (before Trainer.__init__); returns it."""
+    config = resolve_config(args)
+    _activate(config)
+    trainer._mindspeed_config = config
+    # Trainer.__init__ has not run yet when the hook runs: keep the arguments where the hook can read them.
+    trainer._mindspeed_args = args
+    trainer._mindspeed_report = None
+    return config
+
+
+def prepare_model(trainer: Trainer, model: nn.Module) -> nn.Module:
+    """Apply the kernels (PEFT-wrapped models too) and recompute to `model`; record and log what applied."""
+    import mindspeed_hf
+
+    config: MindSpeedConfig = trainer._mindspeed_config
+    report = mindspeed_hf.apply_to_model(model, config)
+    trainer._mindspeed_report = report
+    if config.memory.recompute:
+        enable_recompute(model)
+    applied = [op for op, n in report.get("kernels", {}).items() if n]
+    logger.info("mindspeed_hf: %s runs %s with kernels %s (backend %s); recompute %s", type(trainer).__name__,
+                type(model).__name__, ", ".join(applied) or "none", report.get("backend"),
+                "on" if config.memory.recompute else "off")
+    return model
+
+
+def is_accelerated(trainer: Trainer) -> bool:
+    """True when our kernels run on the trainer's model (then Liger must stay out of it)."""
+    report = getattr(trainer, "_mindspeed_report", None)
+    return bool(report and any(report.get("kernels", {}).values()))
+
+
+def after_init(trainer: Trainer) -> None:
+    """Checks once Trainer.__init__ is done: say once that Liger's patching is off for our model."""
+    if getattr(trainer.args, "use_liger_kernel", False) and is_accelerated(trainer):
+        logger.warning(
+            "mindspeed_hf: use_liger_kernel=True, but mindspeed_hf already accelerates this model; Liger's "
+            "patching is skipped for it so the two do not patch the same layers (evaluation still passes "
+            "skip_logits, which the accelerated forward accepts). Set MINDSPEED_HF_AUTO=0 to use Liger instead."
+        )
+
+
+@contextlib.contextmanager
+def liger_guard(trainer: Trainer) -> Iterator[None]:
+    """During train(): Trainer calls `apply_liger_kernel` by its name in transformers.trainer; make that a no-op
+    for a model we accelerate. Re-entrant (MindSpeedTrainer under the wiring enters it twice)."""
+    import transformers.trainer as hf_trainer
+
+    current = getattr(hf_trainer, "apply_liger_kernel", None)
+    if (current is None or getattr(current, "_mindspeed_guard", False)
+            or not getattr(trainer.args, "use_liger_kernel", False) or not is_accelerated(trainer)):
+        yield
+        return
+
+    def apply_liger_kernel(model: nn.Module, kernel_config: Any = None) -> None:
+        logger.info("mindspeed_hf: skipping Liger's patching of %s (already accelerated)", type(model).__name__)
+
+    apply_liger_kernel._mindspeed_guard = True
+    hf_trainer.apply_liger_kernel = apply_liger_kernel
+    try:
+        yield
+    finally:
+        hf_trainer.apply_liger_kernel = current
+
+
+class MindSpeedTrainer(Trainer):
+    """transformers.Trainer that runs the model on mindspeed_hf's fused kernels (and, later, its device mesh).
+
+    Takes every Trainer argument. The config comes from MindSpeedTrainingArguments, or for plain
+    TrainingArguments from the active config (MINDSPEED_HF_CONFIG or the defaults). Using this class is an
+    explicit request: it enables the accelerator with that config even under MINDSPEED_HF_AUTO=0.
+    """
+
+    # The drop-in wiring of transformers.Trainer leaves instances of this class to their own code.
+    _mindspeed_managed = True
+
+    def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None, *rest: Any,
+                 **kwargs: Any) -> None:
+        mindspeed_setup(self, args)
+        if model is not None:
+            model = self._mindspeed_prepare_model(model)
+        super().__init__(model, args, *rest, **kwargs)
+        after_init(self)
+
+    def _mindspeed_prepare_model(self, model: nn.Module) -> nn.Module:
+        """The one hook that settles the model before Trainer sees it: kernels and recompute now; the mesh and
+        FSDP2 sharding will go here too. Returns the model Trainer should use."""
+        return prepare_model(self, model)
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """`model_init` models (also the re-init at train()) get the same preparation."""
+        return self._mindspeed_prepare_model(super().call_model_init(trial))
+
+    def train(self, *args: Any, **kwargs: Any):
+        """Trainer.train with Liger's patching kept off a model mindspeed_hf accelerates."""
+        with liger_guard(self):
+            return super().train(*args, **kwargs)
+
+    @property
+    def mindspeed_report(self) -> dict[str, Any] | None:
+        """report() of the model as prepared (None before a model was given)."""
+        return self._mindspeed_report

@@ -1,0 +1,99 @@
+"""Drop-in wiring: after `import mindspeed_hf`, a plain `transformers.Trainer` (and every subclass, TRL's
+SFTTrainer included) behaves like MindSpeedTrainer.
+
+The methods are wrapped on the Trainer class object itself, not by rebinding the name `Trainer` in modules:
+a script that did `from transformers import Trainer` before importing mindspeed_hf holds the same class
+object, so it is covered too. Every original is kept and put back exactly by uninstall_trainer_wiring().
+Settings for such a script come from the active config (MINDSPEED_HF_CONFIG=path.yaml, or the defaults).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from ..patches.engine import PatchSet
+
+_patches = PatchSet()
+
+
+def _managed(trainer: Any) -> bool:
+    """MindSpeedTrainer does its own preparation; the wrappers leave it alone so nothing runs twice."""
+    return getattr(type(trainer), "_mindspeed_managed", False)
+
+
+def _wrap_init(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if _managed(self):
+            return original(self, *args, **kwargs)
+        from .trainer import MindSpeedTrainer, after_init, mindspeed_setup
+
+        # Find `model` and `args` however the caller passed them (positionally or by keyword).
+        bound = signature.bind(self, *args, **kwargs)
+        mindspeed_setup(self, bound.arguments.get("args"))
+        model = bound.arguments.get("model")
+        if model is not None:
+            # The same hook as MindSpeedTrainer's, so future mesh/FSDP steps reach plain Trainers as well.
+            bound.arguments["model"] = MindSpeedTrainer._mindspeed_prepare_model(self, model)
+        original(*bound.args, **bound.kwargs)
+        after_init(self)
+
+    return __init__
+
+
+def _wrap_call_model_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def call_model_init(self, *args: Any, **kwargs: Any):
+        model = original(self, *args, **kwargs)
+        if _managed(self) or not hasattr(self, "_mindspeed_config"):
+            return model
+        from .trainer import MindSpeedTrainer
+
+        return MindSpeedTrainer._mindspeed_prepare_model(self, model)
+
+    return call_model_init
+
+
+def _wrap_train(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def train(self, *args: Any, **kwargs: Any):
+        from .trainer import liger_guard
+
+        with liger_guard(self):
+            return original(self, *args, **kwargs)
+
+    return train
+
+
+_WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
+    "__init__": _wrap_init,
+    "call_model_init": _wrap_call_model_init,
+    "train": _wrap_train,
+}
+
+
+def install_trainer_wiring() -> None:
+    """Wrap transformers.Trainer's __init__, call_model_init and train on the class. Idempotent."""
+    if len(_patches):
+        return
+    from transformers import Trainer
+
+    for name, wrap in _WRAPPERS.items():
+        wrapped = wrap(vars(Trainer)[name])
+        wrapped._mindspeed_wiring = True
+        _patches.set(Trainer, name, wrapped)
+
+
+def uninstall_trainer_wiring() -> None:
+    """Put Trainer's original methods back (the exact function objects). Idempotent."""
+    _patches.restore_all()
+
+
+def is_installed() -> bool:
+    """True while transformers.Trainer is wired."""
+    return bool(len(_patches))

@@ -1,0 +1,81 @@
+"""MindSpeedTrainingArguments: HfArgumentParser flags / YAML / JSON round trips, validation at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import yaml
+from transformers import HfArgumentParser
+
+from mindspeed_hf.config import MindSpeedConfig, config_from_dict
+from mindspeed_hf.trainers import MindSpeedTrainingArguments
+
+FLAGS = ["--output_dir", "out", "--mindspeed_backend", "torch", "--mindspeed_rope", "false",
+         "--mindspeed_loss_chunk_size", "256", "--mindspeed_dp_replicate", "2", "--mindspeed_cp", "2",
+         "--mindspeed_recompute"]
+EXPECTED = {"backend": "torch", "kernels": {"rope": False, "loss_chunk_size": 256},
+            "parallel": {"dp_replicate": 2, "cp": 2}, "memory": {"recompute": True}}
+
+
+def _parser() -> HfArgumentParser:
+    return HfArgumentParser(MindSpeedTrainingArguments)
+
+
+def test_defaults_match_config_defaults():
+    args = MindSpeedTrainingArguments(output_dir="out")
+    assert args.mindspeed_config() == MindSpeedConfig()
+
+
+def test_every_config_setting_has_an_argument():
+    config = MindSpeedConfig()
+    covered = set(MindSpeedTrainingArguments.config_fields().values())
+    expected = {(None, "backend")} | {
+        (section, f.name) for section in ("kernels", "parallel", "memory")
+        for f in dataclasses.fields(getattr(config, section))
+    }
+    assert covered == expected
+
+
+def test_cli_flags():
+    (args,) = _parser().parse_args_into_dataclasses(args=FLAGS)
+    assert args.mindspeed_config() == config_from_dict(EXPECTED)
+    assert args.mindspeed_swiglu is True and args.mindspeed_rope is False
+
+
+def test_yaml_and_json_round_trip(tmp_path):
+    (args,) = _parser().parse_args_into_dataclasses(args=FLAGS)
+    values = {k: getattr(args, k) for k in MindSpeedTrainingArguments.config_fields()}
+    values["output_dir"] = "out"
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(values))
+    (tmp_path / "a.json").write_text(json.dumps(values))
+    (from_yaml,) = _parser().parse_yaml_file(str(tmp_path / "a.yaml"))
+    (from_json,) = _parser().parse_json_file(str(tmp_path / "a.json"))
+    assert from_yaml.mindspeed_config() == from_json.mindspeed_config() == args.mindspeed_config()
+    # and back: the config rebuilds the same arguments
+    again = MindSpeedTrainingArguments(output_dir="out", **MindSpeedTrainingArguments.fields_from_config(
+        args.mindspeed_config()))
+    assert again.mindspeed_config() == args.mindspeed_config()
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("mindspeed_cp", 0, "parallel.cp=0 must be >= 1"),
+    ("mindspeed_dp_shard", 0, "parallel.dp_shard=0"),
+    ("mindspeed_loss_chunk_size", -1, "loss_chunk_size=-1"),
+    ("mindspeed_backend", "tpu", "backend='tpu' is not valid; choose one of auto, torch, npu, cuda"),
+])
+def test_bad_values_fail_at_construction(field, value, message):
+    with pytest.raises(ValueError, match="invalid mindspeed_\\* training argument") as err:
+        MindSpeedTrainingArguments(output_dir="out", **{field: value})
+    assert message in str(err.value)
+
+
+def test_bad_flag_value_rejected_by_parser():
+    with pytest.raises(SystemExit):  # argparse's `choices` names the valid backends
+        _parser().parse_args_into_dataclasses(args=["--output_dir", "o", "--mindspeed_backend", "tpu"])
+
+
+def test_backend_env_overrides(monkeypatch):
+    monkeypatch.setenv("MINDSPEED_HF_BACKEND", "torch")
+    assert MindSpeedTrainingArguments(output_dir="out").mindspeed_config().backend == "torch"

@@ -1,0 +1,80 @@
+"""The `mindspeed-hf` command: env prints a pasteable table; train (default run) writes a loadable checkpoint and
+its metrics; bench prints baseline and accelerated side by side."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import cli
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mindspeed_hf.cli import bench
+from mindspeed_hf.cli.main import main
+from mindspeed_hf.ops import registry
+
+
+def test_env_prints_markdown_table(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "| setting | value |" in out and "| op | implementation | why |" in out
+    for name in ("python", "torch", "transformers", "accelerate", "peft", "trl", "liger-kernel", "CANN", "device"):
+        assert f"| {name} |" in out, name
+    for op in registry.registered_ops():
+        assert f"| {op} | " in out, op
+    assert "auto: tensors on cpu -> torch" in out
+
+
+def test_env_explains_a_forced_backend_fallback(capsys, monkeypatch):
+    registry.set_backend("cuda")  # forced, but liger-kernel/triton are not importable on this machine
+    monkeypatch.setenv("MINDSPEED_HF_BACKEND", "cuda")
+    main(["env"])
+    out = capsys.readouterr().out
+    if not registry.liger_available():
+        assert "MINDSPEED_HF_BACKEND=cuda -> cuda, but liger-kernel/triton not importable: falls back to torch" in out
+
+
+def test_unknown_command():
+    assert main(["trian"]) == 2
+
+
+def test_train_default_run_writes_loadable_checkpoint(tmp_path):
+    out, metrics = tmp_path / "ckpt", tmp_path / "metrics.json"
+    proc = cli(["train", "--max_steps", "3", "--logging_steps", "1", "--output_dir", str(out),
+                "--metrics-file", str(metrics)])
+    text = proc.stdout + proc.stderr
+    assert "held-out loss" in text and "exact match" in text and "before training" in text
+    assert "tokens_per_s" in text and "peak_mem_mib" in text  # in the training log lines
+
+    result = json.loads(metrics.read_text())
+    assert result["accelerated"] and result["steps"] == 3 and len(result["losses"]) == 3
+    assert result["report"]["kernels"]["fused_linear_cross_entropy"] == 1
+    assert result["before"]["num_prompts"] == result["after"]["num_prompts"] == 100
+
+    model = AutoModelForCausalLM.from_pretrained(str(out))  # in this process the accelerator is off
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    assert model.config.model_type == "qwen3" and model.config._attn_implementation == "sdpa"
+    ids = tokenizer("reverse : a b c =", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
+
+
+def test_bench_table_from_metrics():
+    base = {"tokens_per_s": 1000.0, "peak_memory_bytes": 2 * 2**30, "train_runtime_s": 2.0,
+            "losses": {"1": 3.0, "2": 2.5}, "model_type": "qwen3", "device": "cpu"}
+    fast = dict(base, tokens_per_s=1500.0, peak_memory_bytes=2**30, train_runtime_s=1.5,
+                losses={"1": 3.0, "2": 2.500001}, applied="rms_norm x17")
+    table = bench.compare(base, fast)
+    assert "| tokens/s | 1,000 | 1,500 | 1.50x |" in table
+    assert "| peak memory (MiB) | 2,048 | 1,024 | 0.50x |" in table
+    assert "| max per-step loss diff |  | 1.00e-06 |  |" in table
+    assert "| 2 | 2.500000 | 2.500001 | 1.00e-06 |" in table
+
+
+def test_bench_runs_both_sides(tmp_path):
+    proc = cli(["bench", "--steps", "2", "--workdir", str(tmp_path)])
+    assert "| | baseline (plain HF) | mindspeed_hf | ratio |" in proc.stdout
+    losses = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(losses) == 2
+    for line in losses:
+        assert float(line.split("|")[4]) <= 1e-5, line

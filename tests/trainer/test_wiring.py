@@ -1,0 +1,172 @@
+"""The drop-in wiring of transformers.Trainer and MindSpeedTrainer itself (in this process; tests/conftest.py
+imports the package with MINDSPEED_HF_AUTO=0 and disables it after every test)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+import transformers
+from conftest import run
+from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer, TrainingArguments
+
+import mindspeed_hf
+from mindspeed_hf.trainers import MindSpeedTrainer, MindSpeedTrainingArguments, wiring
+
+WRAPPED = ("__init__", "call_model_init", "train")
+ORIGINALS = {name: vars(Trainer)[name] for name in WRAPPED}  # taken before anything here enables the package
+
+
+def tiny_model(seed: int = 0) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        max_position_embeddings=32))
+
+
+def dataset(n: int = 16, length: int = 12) -> list[dict[str, list[int]]]:
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(1, 64, (n, length), generator=gen).tolist()
+    return [{"input_ids": r, "labels": r} for r in rows]
+
+
+def quick_args(tmp_path, cls=TrainingArguments, **kw):
+    values = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to="none",
+                  save_strategy="no", disable_tqdm=True, use_cpu=True)
+    return cls(**{**values, **kw})
+
+
+def test_install_uninstall_restore_trainer_exactly(restore_wiring):
+    wiring.uninstall_trainer_wiring()
+    assert all(vars(Trainer)[n] is ORIGINALS[n] for n in WRAPPED)
+    wiring.install_trainer_wiring()
+    wrapped = {n: vars(Trainer)[n] for n in WRAPPED}
+    for name in WRAPPED:
+        assert wrapped[name] is not ORIGINALS[name] and wrapped[name].__wrapped__ is ORIGINALS[name]
+    wiring.install_trainer_wiring()  # idempotent: no second layer
+    assert all(vars(Trainer)[n] is wrapped[n] for n in WRAPPED)
+    wiring.uninstall_trainer_wiring()
+    wiring.uninstall_trainer_wiring()
+    assert all(vars(Trainer)[n] is ORIGINALS[n] for n in WRAPPED)
+    assert not wiring.is_installed()
+
+
+def test_enable_and_disable_drive_the_wiring(restore_wiring):
+    mindspeed_hf.enable()
+    assert wiring.is_installed() and vars(Trainer)["__init__"] is not ORIGINALS["__init__"]
+    mindspeed_hf.disable()
+    assert not wiring.is_installed() and all(vars(Trainer)[n] is ORIGINALS[n] for n in WRAPPED)
+
+
+def test_plain_trainer_gets_the_kernels(tmp_path, restore_wiring):
+    mindspeed_hf.enable()
+    model = tiny_model()
+    model.set_attn_implementation("sdpa")  # as if built before the import
+    trainer = Trainer(model, quick_args(tmp_path), train_dataset=dataset())  # positional model and args
+    assert model.config._attn_implementation == "mindspeed"
+    assert all(trainer._mindspeed_report["kernels"].values())
+    trainer.train()
+
+
+def test_trainer_imported_before_mindspeed_hf_is_wired(tmp_path):
+    script = (
+        "from transformers import Trainer, TrainingArguments\n"
+        "import mindspeed_hf, torch, json\n"
+        "from transformers import Qwen3Config, Qwen3ForCausalLM\n"
+        "torch.manual_seed(0)\n"
+        "m = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,"
+        " num_attention_heads=4, num_key_value_heads=2, head_dim=8))\n"
+        f"t = Trainer(model=m, args=TrainingArguments(output_dir={str(tmp_path)!r}, report_to='none'))\n"
+        "print(json.dumps(t._mindspeed_report))\n"
+    )
+    proc = run([sys.executable, "-c", script], auto=True)
+    assert '"attention": 2' in proc.stdout and '"rms_norm": 9' in proc.stdout
+
+
+def test_mindspeed_trainer_prepares_once_under_the_wiring(tmp_path, restore_wiring, monkeypatch):
+    mindspeed_hf.enable()
+    calls = []
+    original = mindspeed_hf.apply_to_model
+    monkeypatch.setattr(mindspeed_hf, "apply_to_model", lambda m, c=None: calls.append(m) or original(m, c))
+    trainer = MindSpeedTrainer(model=tiny_model(), args=quick_args(tmp_path), train_dataset=dataset())
+    assert len(calls) == 1 and trainer.mindspeed_report["kernels"]["swiglu"] == 2
+
+
+def test_arguments_config_becomes_active(tmp_path, restore_wiring):
+    mindspeed_hf.enable()
+    args = quick_args(tmp_path, MindSpeedTrainingArguments, mindspeed_rope=False)
+    trainer = MindSpeedTrainer(model=tiny_model(), args=args, train_dataset=dataset())
+    assert mindspeed_hf.get_config().kernels.rope is False
+    assert trainer.mindspeed_report["kernels"]["rope"] == 0 and trainer.mindspeed_report["kernels"]["rms_norm"] > 0
+
+
+def test_recompute_is_on_and_logged(tmp_path, caplog):
+    args = quick_args(tmp_path, MindSpeedTrainingArguments, mindspeed_recompute=True)
+    model = tiny_model()
+    with caplog.at_level(logging.INFO, logger="mindspeed_hf"):
+        trainer = MindSpeedTrainer(model=model, args=args, train_dataset=dataset())
+    assert model.is_gradient_checkpointing
+    assert "recompute is on" in caplog.text
+    trainer.train()
+
+
+def test_peft_model_is_accelerated_and_adapters_train(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(), LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    args = quick_args(tmp_path, MindSpeedTrainingArguments, learning_rate=1e-2, mindspeed_recompute=True)
+    trainer = MindSpeedTrainer(model=model, args=args, train_dataset=dataset())
+    assert all(trainer.mindspeed_report["kernels"].values())
+    assert model.get_base_model().is_gradient_checkpointing  # recompute reaches the model under the LoRA wrapper
+    trainer.train()
+    after = dict(model.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before), "LoRA adapters did not train"
+
+
+def test_model_init_models_are_prepared(tmp_path, restore_wiring):
+    mindspeed_hf.enable()
+    trainer = Trainer(model_init=lambda: tiny_model(), args=quick_args(tmp_path), train_dataset=dataset())
+    assert trainer.model.config._attn_implementation == "mindspeed"
+    assert all(trainer._mindspeed_report["kernels"].values())
+    trainer.train()  # train() builds a fresh model through model_init: prepared again
+    assert trainer.model.config._attn_implementation == "mindspeed"
+
+
+def test_liger_is_kept_off_an_accelerated_model(tmp_path, caplog, restore_wiring):
+    mindspeed_hf.enable()
+    original = transformers.trainer.apply_liger_kernel
+    args = quick_args(tmp_path, use_liger_kernel=True, prediction_loss_only=True, eval_strategy="steps",
+                      eval_steps=1)
+    with caplog.at_level(logging.WARNING, logger="mindspeed_hf"):
+        trainer = Trainer(model=tiny_model(), args=args, train_dataset=dataset(), eval_dataset=dataset(8))
+        trainer.train()  # would raise ImportError (no liger-kernel here) or double-patch if Liger ran
+        metrics = trainer.evaluate()  # Trainer passes skip_logits=True: the accelerated forward takes it
+    assert caplog.text.count("Liger's patching is skipped") == 1
+    assert transformers.trainer.apply_liger_kernel is original
+    assert metrics["eval_loss"] > 0
+
+
+def test_unaccelerated_liger_path_is_untouched(tmp_path):
+    """With the package off, use_liger_kernel goes to Liger as before (ImportError here, without it)."""
+    from mindspeed_hf.ops.registry import liger_available
+
+    if liger_available():
+        pytest.skip("liger-kernel is installed")
+    trainer = Trainer(model=tiny_model(), args=quick_args(tmp_path, use_liger_kernel=True), train_dataset=dataset())
+    with pytest.raises(ImportError, match="liger"):
+        trainer.train()
+
+
+def test_plain_trainer_reads_mindspeed_hf_config(tmp_path, monkeypatch, restore_wiring):
+    config = tmp_path / "accelerator.yaml"
+    config.write_text("kernels:\n  swiglu: false\nmemory:\n  recompute: true\n")
+    monkeypatch.setenv("MINDSPEED_HF_CONFIG", str(config))
+    mindspeed_hf.enable()  # what `import mindspeed_hf` does
+    model = tiny_model()
+    trainer = Trainer(model=model, args=quick_args(tmp_path), train_dataset=dataset())
+    assert model.is_gradient_checkpointing
+    assert trainer._mindspeed_report["kernels"]["swiglu"] == 0 and trainer._mindspeed_report["kernels"]["rope"] > 0
+    trainer.train()
