@@ -1,0 +1,160 @@
+"""Plain HF causal-LM loss vs the chunked fused linear cross-entropy: peak memory, step time, losses.
+
+Model: Qwen3 architecture, 4 layers, vocab 151936, hidden 256, intermediate 768, 4 heads of 64 (2 KV heads),
+untied lm_head (Qwen3Config's default), fp32 on the CPU; batch 2 x 1024 tokens, labels = input ids; AdamW
+(lr 1e-4); 3 training steps. Each variant runs in its own subprocess (MINDSPEED_HF_AUTO=0 in both):
+- plain: HF's own Qwen3ForCausalLM.forward (full logits, then ForCausalLMLoss);
+- fused: Qwen3ForCausalLM.forward = mindspeed_hf.patches.causal_lm.causal_lm_forward (nothing else patched).
+Peak memory is the subprocess's resident-set high-water mark (ru_maxrss), so it includes the interpreter, torch,
+weights, gradients and AdamW state; step time is the median of the steps after the first.
+
+    python benchmarks/bench_fused_loss.py [--repeats 2] [--sweep 128,256,512,1024] [--out results.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = ROOT / "benchmarks" / "results" / "fused_loss_cpu.md"
+SHAPE = dict(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False)
+BATCH, SEQ, STEPS = 2, 1024, 3
+
+
+def worker(variant: str, chunk: int, threads: int) -> dict:
+    """One measured run in this process; returns its numbers."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if threads:
+        torch.set_num_threads(threads)
+    if variant == "fused":
+        from mindspeed_hf.patches import causal_lm
+
+        causal_lm.configure(enabled=True, chunk_size=chunk)
+        Qwen3ForCausalLM.forward = causal_lm.causal_lm_forward
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, attn_implementation="sdpa")).float().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=gen)
+    rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    losses, times = [], []
+    for _ in range(STEPS):
+        start = time.perf_counter()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        losses.append(out.loss.item())
+        assert (out.logits is None) == (variant == "fused")
+        del out
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"variant": variant, "chunk": chunk, "threads": torch.get_num_threads(), "losses": losses,
+            "times": times, "peak_bytes": peak * 1024, "init_bytes": rss_init * 1024}
+
+
+def run_worker(variant: str, chunk: int, threads: int) -> dict:
+    path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = {**os.environ, "MINDSPEED_HF_AUTO": "0", "PYTHONPATH": path}
+    cmd = [sys.executable, __file__, "--worker", variant, "--chunk", str(chunk), "--threads", str(threads)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{variant} worker failed:\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(result), file=sys.stderr, flush=True)  # progress, and the raw numbers
+    return result
+
+
+def _step_time(runs: list[dict]) -> float:
+    return statistics.median(t for run in runs for t in run["times"][1:])
+
+
+def _spread(runs: list[dict]) -> str:
+    steps = [t for run in runs for t in run["times"][1:]]
+    return f"{min(steps):.2f}..{max(steps):.2f} s"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def table(plain: list[dict], fused: list[dict]) -> str:
+    p_peak, f_peak = max(r["peak_bytes"] for r in plain), max(r["peak_bytes"] for r in fused)
+    p_time, f_time = _step_time(plain), _step_time(fused)
+    diff = max(abs(a - b) for a, b in zip(plain[0]["losses"], fused[0]["losses"]))
+    fmt = lambda losses: ", ".join(f"{x:.6f}" for x in losses)  # noqa: E731
+    return "\n".join([
+        "| | plain HF | fused loss | fused / plain |",
+        "|---|---|---|---|",
+        f"| peak memory (ru_maxrss of the subprocess) | {_gb(p_peak)} | {_gb(f_peak)} | {f_peak / p_peak:.2f}x |",
+        f"| resident after model + optimizer built | {_gb(plain[0]['init_bytes'])} | {_gb(fused[0]['init_bytes'])} | |",
+        f"| step time (median of steps 2..{STEPS}, all repeats) | {p_time:.2f} s | {f_time:.2f} s | "
+        f"{f_time / p_time:.2f}x |",
+        f"| step-time spread (min..max of those steps) | {_spread(plain)} | {_spread(fused)} | |",
+        f"| losses per step | {fmt(plain[0]['losses'])} | {fmt(fused[0]['losses'])} | max abs diff {diff:.1e} |",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=["plain", "fused"])
+    parser.add_argument("--chunk", type=int, default=0, help="fused chunk rows (0 = the default from the vocab)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = torch's default)")
+    parser.add_argument("--repeats", type=int, default=2, help="plain/fused pairs, run alternately")
+    parser.add_argument("--sweep", default="", help="comma-separated chunk sizes to time as extra fused runs")
+    parser.add_argument("--out", default=str(RESULT))
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.chunk, args.threads)))
+        return
+
+    plain, fused = [], []
+    for _ in range(args.repeats):  # alternate so that load from other processes hits both alike
+        plain.append(run_worker("plain", 0, args.threads))
+        fused.append(run_worker("fused", args.chunk, args.threads))
+    for run in plain[1:] + fused[1:]:
+        assert run["losses"] == (plain if run["variant"] == "plain" else fused)[0]["losses"], "not deterministic"
+    text = table(plain, fused)
+    os.environ["MINDSPEED_HF_AUTO"] = "0"  # importing the package here must not patch anything
+    sys.path.insert(0, str(ROOT))
+    from mindspeed_hf.ops.fused_linear_cross_entropy import default_chunk_size
+
+    chunk = args.chunk or default_chunk_size(SHAPE["vocab_size"])
+    lines = [
+        "# Fused linear cross-entropy vs plain HF loss (CPU, fp32)",
+        "",
+        f"Qwen3 architecture: {SHAPE['num_hidden_layers']} layers, vocab {SHAPE['vocab_size']}, hidden "
+        f"{SHAPE['hidden_size']}, intermediate {SHAPE['intermediate_size']}, {SHAPE['num_attention_heads']} heads x "
+        f"{SHAPE['head_dim']} ({SHAPE['num_key_value_heads']} KV), untied lm_head; batch {BATCH} x {SEQ} tokens, "
+        f"AdamW, {STEPS} steps, {args.repeats} plain/fused subprocess pairs run alternately; torch threads "
+        f"{plain[0]['threads']}; fused chunk {chunk} rows. Peak memory is ru_maxrss of each subprocess (interpreter, "
+        "weights, grads and AdamW state included). The machine's 2 cores are shared with other jobs, so step "
+        "times of identical runs vary (see the spread row); peak memory and losses do not.",
+        "",
+        text,
+    ]
+    if args.sweep:
+        lines += ["", "Chunk-size sweep (fused, one subprocess each):", "", "| chunk rows | peak memory | step time |",
+                  "|---|---|---|"]
+        for size in (int(s) for s in args.sweep.split(",")):
+            run = run_worker("fused", size, args.threads)
+            lines.append(f"| {size} | {_gb(run['peak_bytes'])} | {_step_time([run]):.2f} s |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""One causal-LM forward for every supported family, with the fused (chunked) linear cross-entropy.
+
+HF's `XForCausalLM.forward` projects every position through `lm_head` before `loss_function` runs, so the
+[tokens, vocab] logits (and their gradient) always exist. This replacement runs the backbone exactly as HF does
+and, while training with labels, hands the hidden states and the lm_head MODULE to
+`ops.fused_linear_cross_entropy`, which never holds more than one [chunk, vocab] block.
+
+Family specifics are read at runtime, so there is one function and no per-family copies:
+- MoE (Mixtral, Qwen2-MoE, Qwen3-MoE): recognised by `num_experts_per_tok` / `router_aux_loss_coef` on the model
+  and `load_balancing_loss_func` in the model's own modeling module; `output_router_logits` defaults to the
+  config, the aux loss is added as HF does, and a `MoeCausalLMOutputWithPast` comes back.
+- Gemma2 / Gemma3 text: `config.final_logit_softcapping` (applied in the logits dtype, like HF).
+- Everything else (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi3) is the plain shape.
+
+Logits are returned whenever somebody may look at them: in eval, without labels (generation), or when the
+caller passes `skip_logits=False`; `skip_logits=True` skips them in eval too (Trainer passes it with
+`use_liger_kernel`). A model whose `loss_function` is not HF's `ForCausalLMLoss` (custom `loss_type` or
+`model.loss_function = ...`) keeps the full-logits path, since the fused op only implements that loss.
+`**kwargs` is kept, so Trainer still sees a model that accepts loss kwargs and passes `num_items_in_batch`.
+
+TRL's SFTTrainer wraps `model.forward` on the instance (`trl.trainer.utils.add_fused_lm_head`): its
+`fused_lm_head=True` path calls the backbone and its own chunked head directly (this forward is not involved,
+so TRL's loss is unchanged), and its other path calls the forward it captured: this one when the class was
+patched before TRL wrapped the instance, HF's otherwise. Both keep working (tests/models/test_fused_loss_models).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+
+from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+
+@dataclass
+class FusedLossSettings:
+    """Module-level switch the package's enable() sets (config.kernels.fused_linear_cross_entropy and
+    loss_chunk_size). With `enabled=False` the patched forward behaves exactly like HF's."""
+
+    enabled: bool = True
+    chunk_size: int = 0
+
+
+SETTINGS = FusedLossSettings()
+
+
+def configure(enabled: bool = True, chunk_size: int = 0) -> None:
+    """Turn the fused loss on/off for every patched model and set its chunk size (0 = from the vocabulary)."""
+    if int(chunk_size) < 0:
+        raise ValueError(f"kernels.loss_chunk_size={chunk_size} must be >= 0 (0 picks it from the vocabulary)")
+    SETTINGS.enabled = bool(enabled)
+    SETTINGS.chunk_size = int(chunk_size)
+
+
+def _load_balancing_loss_func(model: torch.nn.Module):
+    """The family's own `load_balancing_loss_func`, looked up in the modeling module of the model's class
+    (or of the first base class that has one, for user subclasses)."""
+    for cls in type(model).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+        if fn is not None:
+            return fn
+    return None
+
+
+def _is_moe(model: torch.nn.Module) -> bool:
+    return hasattr(model, "num_experts_per_tok") and hasattr(model, "router_aux_loss_coef")
+
+
+def _uses_hf_causal_loss(model: torch.nn.Module) -> bool:
+    """True when the model's loss is HF's ForCausalLMLoss, the one the fused op reproduces."""
+    loss_fn = model.loss_function
+    return getattr(loss_fn, "__func__", loss_fn) is ForCausalLMLoss
+
+
+def _softcap(config) -> float | None:
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+@can_return_tuple
+def causal_lm_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    cache=None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    skip_logits: bool | None = None,
+    **kwargs,
+) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
+    """Drop-in `XForCausalLM.forward` (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, gemma,
+    gemma2, gemma3 text, phi3): same arguments and outputs as HF's, plus `skip_logits`.
+
+    While training with labels (and `skip_logits` not False) the loss is computed by the chunked fused linear
+    cross-entropy and `logits` is None; otherwise the logits are real and the loss is HF's own.
+    """
+    config = self.config
+    moe = _is_moe(self)
+    model_kwargs = dict(kwargs)
+    output_router_logits = False
+    if moe:
+        output_router_logits = kwargs.get("output_router_logits")
+        if output_router_logits is None:
+            output_router_logits = getattr(config, "output_router_logits", False)
+        model_kwargs["output_router_logits"] = output_router_logits
+
+    outputs = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **model_kwargs,
+    )
+    hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+    lm_head = getattr(self, "lm_head", None)
+    if lm_head is None:
+        lm_head = self.get_output_embeddings()
+    softcap = _softcap(config)
+
+    if skip_logits is None:
+        skip_logits = self.training and labels is not None
+    fused = SETTINGS.enabled and skip_logits and labels is not None and _uses_hf_causal_loss(self)
+    # HF's MoE forwards take output_router_logits as a named argument, so it never reaches their loss
+    loss_kwargs = {k: v for k, v in kwargs.items() if not (moe and k == "output_router_logits")}
+
+    logits = loss = None
+    if fused:
+        loss = fused_linear_cross_entropy(
+            hidden_states,
+            lm_head,
+            labels,
+            shift_labels=loss_kwargs.get("shift_labels"),
+            ignore_index=loss_kwargs.get("ignore_index", -100),
+            num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
+            softcap=softcap,
+            chunk_size=SETTINGS.chunk_size,
+        )
+    else:
+        logits = lm_head(hidden_states)
+        if softcap is not None:  # Gemma2/3, in the logits dtype exactly as their forwards do it
+            logits = logits / softcap
+            logits = torch.tanh(logits)
+            logits = logits * softcap
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
+
+    if not moe:
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    aux_loss = None
+    if output_router_logits:
+        aux_loss = _load_balancing_loss_func(self)(
+            outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+        )
+        if labels is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return MoeCausalLMOutputWithPast(
+        loss=loss,
+        aux_loss=aux_loss,
+        logits=logits,
+        cache=outputs.cache,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        router_logits=outputs.router_logits,
+    )
