@@ -15,7 +15,15 @@ from .patches.apply import active_config
 
 __version__ = "0.1.0"
 
-logging.getLogger("mindspeed_hf").addHandler(logging.NullHandler())
+# One visible line per model on what was applied: like transformers, the library logger has its own handler
+# (level from MINDSPEED_HF_LOG_LEVEL, default INFO) and does not propagate, so nothing prints twice.
+_logger = logging.getLogger("mindspeed_hf")
+if not _logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(message)s"))
+    _logger.addHandler(_handler)
+    _logger.setLevel(os.environ.get("MINDSPEED_HF_LOG_LEVEL", "INFO").upper())
+    _logger.propagate = False
 
 
 def get_config() -> MindSpeedConfig:

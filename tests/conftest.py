@@ -11,10 +11,14 @@ os.environ.pop("MINDSPEED_HF_CONFIG", None)
 STANDIN = Path(__file__).parent / "npu_standin"
 sys.path.insert(0, str(STANDIN))
 
+import logging  # noqa: E402
+
 import pytest  # noqa: E402
 
 import mindspeed_hf  # noqa: E402
 from mindspeed_hf.ops import registry  # noqa: E402
+
+logging.getLogger("mindspeed_hf").propagate = True  # let caplog see the package's records
 
 
 @pytest.fixture(autouse=True)

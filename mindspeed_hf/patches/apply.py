@@ -56,8 +56,8 @@ def _announce_on_init(original):
     def post_init(self):
         original(self)
         _models.add(self)
-        if getattr(self, "base_model", self) is not self:
-            logger.info("mindspeed_hf: %s", _summary(report(self)))
+        if getattr(self, "base_model", self) is not self:  # the top-level model, not its inner base model
+            _announce(self, report(self))
 
     return post_init
 
@@ -188,7 +188,7 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
         hf_model.set_attn_implementation(ATTENTION_NAME)
         _models.add(hf_model)
     result = report(model)
-    logger.info("mindspeed_hf: %s", _summary(result))
+    _announce(hf_model, result)
     return result
 
 
@@ -230,6 +230,10 @@ def report(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _summary(result: dict[str, Any]) -> str:
+def _announce(model: nn.Module, result: dict[str, Any]) -> None:
+    """Log what was applied, once per model (and again only if it changed)."""
     applied = ", ".join(f"{op} x{n}" for op, n in result["kernels"].items() if n) or "nothing"
-    return f"{result['model_type']} on backend {result['backend']}: {applied}"
+    line = f"mindspeed_hf: {result['model_type']} on backend {result['backend']}: {applied}"
+    if getattr(model, "_mindspeed_announced", None) != line:
+        model._mindspeed_announced = line
+        logger.info(line)
