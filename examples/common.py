@@ -7,6 +7,7 @@ Nothing here is needed by mindspeed_hf itself; a real script would load its own 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -74,12 +75,16 @@ def collate(pad_id: int):
 
 
 class JsonLines:
-    """Writes one JSON object per line to a file or stdout."""
+    """Writes one JSON object per line to a file or stdout; under torchrun only rank 0 writes (the losses Trainer
+    logs are already averaged over the ranks)."""
 
     def __init__(self, path: str | None) -> None:
-        self.stream = open(path, "w") if path else sys.stdout
+        main_process = int(os.environ.get("RANK", "0")) == 0
+        self.stream = (open(path, "w") if path else sys.stdout) if main_process else None
 
     def write(self, **record) -> None:
+        if self.stream is None:
+            return
         self.stream.write(json.dumps(record) + "\n")
         self.stream.flush()
 

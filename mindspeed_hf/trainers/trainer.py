@@ -2,7 +2,7 @@
 
 The model is settled BEFORE Trainer.__init__ runs, because Trainer's __init__ already inspects it (loss kwargs,
 label names), moves it to the device and builds the accelerator around it. `_mindspeed_prepare_model` is the
-one hook that does it: today kernels and recompute; later also the device mesh and FSDP2 sharding.
+one hook that does it: kernels, recompute, and (when asked for) the device mesh and FSDP2 sharding (fsdp.py).
 
 The helpers below only use attributes they set themselves (`_mindspeed_*`) and Trainer's public ones, so the
 drop-in wiring (wiring.py) runs exactly the same code on a plain `transformers.Trainer` or TRL's SFTTrainer.
@@ -19,6 +19,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from ..config import MindSpeedConfig
+from . import fsdp
 from .arguments import MindSpeedTrainingArguments
 
 logger = logging.getLogger("mindspeed_hf")
@@ -66,6 +67,10 @@ def enable_recompute(model: nn.Module) -> None:
 def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpeedConfig:
     """Resolve and activate the config for `trainer` (before Trainer.__init__); returns it."""
     config = resolve_config(args)
+    # FSDP2 request from the args, the accelerate launch environment or the config: contradictions fail here,
+    # before anything is patched or built.
+    trainer._mindspeed_fsdp_plan = fsdp.resolve_plan(args, config)
+    trainer._mindspeed_fsdp = None
     _activate(config)
     trainer._mindspeed_config = config
     # Trainer.__init__ has not run yet when the hook runs: keep the arguments where the hook can read them.
@@ -87,6 +92,8 @@ def prepare_model(trainer: Trainer, model: nn.Module) -> nn.Module:
     logger.info("mindspeed_hf: %s runs %s with kernels %s (backend %s); recompute %s", type(trainer).__name__,
                 type(model).__name__, ", ".join(applied) or "none", report.get("backend"),
                 "on" if config.memory.recompute else "off")
+    if fsdp.is_requested(trainer):
+        model = fsdp.shard_model(trainer, model)
     return model
 
 
@@ -97,7 +104,8 @@ def is_accelerated(trainer: Trainer) -> bool:
 
 
 def after_init(trainer: Trainer) -> None:
-    """Checks once Trainer.__init__ is done: say once that Liger's patching is off for our model."""
+    """Checks once Trainer.__init__ is done: FSDP2 takeover; say once that Liger's patching is off for our model."""
+    fsdp.check_after_init(trainer)
     if getattr(trainer.args, "use_liger_kernel", False) and is_accelerated(trainer):
         logger.warning(
             "mindspeed_hf: use_liger_kernel=True, but mindspeed_hf already accelerates this model; Liger's "
@@ -130,7 +138,7 @@ def liger_guard(trainer: Trainer) -> Iterator[None]:
 
 
 class MindSpeedTrainer(Trainer):
-    """transformers.Trainer that runs the model on mindspeed_hf's fused kernels (and, later, its device mesh).
+    """transformers.Trainer that runs the model on mindspeed_hf's fused kernels and, when asked for, FSDP2.
 
     Takes every Trainer argument. The config comes from MindSpeedTrainingArguments, or for plain
     TrainingArguments from the active config (MINDSPEED_HF_CONFIG or the defaults). Using this class is an
@@ -149,8 +157,8 @@ class MindSpeedTrainer(Trainer):
         after_init(self)
 
     def _mindspeed_prepare_model(self, model: nn.Module) -> nn.Module:
-        """The one hook that settles the model before Trainer sees it: kernels and recompute now; the mesh and
-        FSDP2 sharding will go here too. Returns the model Trainer should use."""
+        """The one hook that settles the model before Trainer sees it: kernels, recompute, mesh and FSDP2
+        sharding. Returns the model Trainer should use."""
         return prepare_model(self, model)
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
@@ -158,7 +166,9 @@ class MindSpeedTrainer(Trainer):
         return self._mindspeed_prepare_model(super().call_model_init(trial))
 
     def train(self, *args: Any, **kwargs: Any):
-        """Trainer.train with Liger's patching kept off a model mindspeed_hf accelerates."""
+        """Trainer.train with Liger's patching kept off a model mindspeed_hf accelerates (and, under FSDP2,
+        resume_from_checkpoint checked against the COMPLETE marker)."""
+        args, kwargs = fsdp.resolve_train_call(self, args, kwargs)
         with liger_guard(self):
             return super().train(*args, **kwargs)
 
@@ -166,3 +176,18 @@ class MindSpeedTrainer(Trainer):
     def mindspeed_report(self) -> dict[str, Any] | None:
         """report() of the model as prepared (None before a model was given)."""
         return self._mindspeed_report
+
+
+def _fsdp_method(name: str) -> Any:
+    """MindSpeedTrainer.<name>: fsdp.OVERRIDES[name] while FSDP2 is requested, else Trainer's own method."""
+
+    def method(self: MindSpeedTrainer, *args: Any, **kwargs: Any) -> Any:
+        return fsdp.dispatch(self, name, getattr(super(MindSpeedTrainer, self), name), *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"Trainer.{name}, replaced by mindspeed_hf.trainers.fsdp while the model is FSDP2-sharded."
+    return method
+
+
+for _name in fsdp.OVERRIDES:
+    setattr(MindSpeedTrainer, _name, _fsdp_method(_name))

@@ -4,7 +4,9 @@ SFTTrainer included) behaves like MindSpeedTrainer.
 The methods are wrapped on the Trainer class object itself, not by rebinding the name `Trainer` in modules:
 a script that did `from transformers import Trainer` before importing mindspeed_hf holds the same class
 object, so it is covered too. Every original is kept and put back exactly by uninstall_trainer_wiring().
-Settings for such a script come from the active config (MINDSPEED_HF_CONFIG=path.yaml, or the defaults).
+Settings for such a script come from the active config (MINDSPEED_HF_CONFIG=path.yaml, or the defaults), and
+FSDP2 also from its own `fsdp`/`fsdp_config` arguments or the `accelerate launch` environment: the Trainer methods
+in fsdp.OVERRIDES are wrapped too and run the same code as MindSpeedTrainer's while the model is sharded.
 """
 
 from __future__ import annotations
@@ -62,28 +64,57 @@ def _wrap_call_model_init(original: Callable) -> Callable:
 def _wrap_train(original: Callable) -> Callable:
     @functools.wraps(original)
     def train(self, *args: Any, **kwargs: Any):
+        from . import fsdp
         from .trainer import liger_guard
 
+        if not _managed(self):
+            args, kwargs = fsdp.resolve_train_call(self, args, kwargs)
         with liger_guard(self):
             return original(self, *args, **kwargs)
 
     return train
 
 
-_WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
-    "__init__": _wrap_init,
-    "call_model_init": _wrap_call_model_init,
-    "train": _wrap_train,
-}
+def _wrap_fsdp(name: str) -> Callable[[Callable], Callable]:
+    """Trainer.<name> -> fsdp.OVERRIDES[name] while this trainer shards with FSDP2 (the same code MindSpeedTrainer
+    runs); otherwise, and for MindSpeedTrainer's own calls through super(), the original."""
+
+    def wrap(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def method(self, *args: Any, **kwargs: Any) -> Any:
+            from . import fsdp
+
+            if _managed(self):
+                return original(self, *args, **kwargs)
+            return fsdp.dispatch(self, name, functools.partial(original, self), *args, **kwargs)
+
+        return method
+
+    return wrap
+
+
+def _wrappers() -> dict[str, Callable[[Callable], Callable]]:
+    from .fsdp import OVERRIDES
+
+    wrappers: dict[str, Callable[[Callable], Callable]] = {
+        "__init__": _wrap_init,
+        "call_model_init": _wrap_call_model_init,
+        "train": _wrap_train,
+    }
+    wrappers.update({name: _wrap_fsdp(name) for name in OVERRIDES})
+    return wrappers
 
 
 def install_trainer_wiring() -> None:
-    """Wrap transformers.Trainer's __init__, call_model_init and train on the class. Idempotent."""
+    """Wrap transformers.Trainer's __init__, call_model_init, train and the FSDP2 methods on the class.
+    Idempotent."""
     if len(_patches):
         return
     from transformers import Trainer
 
-    for name, wrap in _WRAPPERS.items():
+    for name, wrap in _wrappers().items():
+        if name not in vars(Trainer):  # a Trainer method another transformers release does not have
+            continue
         wrapped = wrap(vars(Trainer)[name])
         wrapped._mindspeed_wiring = True
         _patches.set(Trainer, name, wrapped)

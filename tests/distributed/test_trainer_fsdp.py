@@ -1,0 +1,268 @@
+"""FSDP2 inside Trainer (gloo on CPU): MindSpeedTrainer, plain Trainer after `import mindspeed_hf` (FSDP from the
+training arguments or from the environment `accelerate launch` exports), PEFT LoRA, checkpoints and resume, and the
+example scripts, each against a single-process Trainer on the same global batch (fp32, 1e-5).
+
+Launches: one single-process reference, torchrun `train`, `env` and `hsdp` (4 ranks) of trainer_worker.py, and per
+example script one single-process and one torchrun run. The resolve_plan tests at the end run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+WORKER = HERE / "trainer_worker.py"
+TOL = 1e-5
+_FOREIGN = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "MINDSPEED_HF_")
+
+
+def _env(auto: bool = False, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN)}
+    env.update(MINDSPEED_HF_AUTO="1" if auto else "0", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error",
+               PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    env.update(extra)
+    return env
+
+
+def _run(cmd: list[str], env: dict[str, str], what: str) -> None:
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=500)
+    if proc.returncode != 0:
+        pytest.fail(f"{what} failed, rc={proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+
+
+def _torchrun(*args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def accelerate_fsdp2_env(tmp: Path) -> dict[str, str]:
+    """What `accelerate launch --config_file examples/accelerate/fsdp2.yaml` exports, for 2 processes in fp32:
+    computed by accelerate's own launcher code from the example YAML."""
+    import yaml
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    config = yaml.safe_load((REPO / "examples" / "accelerate" / "fsdp2.yaml").read_text())
+    config.update(num_processes=2, mixed_precision="no")
+    config["parallelism_config"]["parallelism_config_dp_shard_size"] = 2
+    path = tmp / "fsdp2.yaml"
+    path.write_text(yaml.safe_dump(config))
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(_FOREIGN[:3])}
+
+
+def _worker(scenario: str, root: Path, **extra: str) -> dict:
+    out = root / f"{scenario}.json"
+    cmd = [str(WORKER), scenario, "--root", str(root), "--out", str(out)]
+    nproc = 4 if scenario == "hsdp" else 2
+    launch = [sys.executable, *cmd] if scenario == "reference" else _torchrun(*cmd, nproc=nproc)
+    _run(launch, _env(**extra), scenario)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("trainer_fsdp")
+
+
+@pytest.fixture(scope="module")
+def reference(root) -> dict:
+    return _worker("reference", root)
+
+
+@pytest.fixture(scope="module")
+def train(root, reference) -> dict:
+    return _worker("train", root)
+
+
+@pytest.fixture(scope="module")
+def hsdp(root, reference) -> dict:
+    return _worker("hsdp", root)
+
+
+@pytest.fixture(scope="module")
+def env_run(root, train) -> dict:
+    return _worker("env", root, **accelerate_fsdp2_env(root))
+
+
+def _close(a: list[float], b: list[float], tol: float = TOL) -> None:
+    assert len(a) == len(b) > 0, (a, b)
+    assert max(abs(x - y) for x, y in zip(a, b)) <= tol, (a, b)
+
+
+def _param_diff(root: Path, a: str, b: str, only: str = "") -> float:
+    pa, pb = torch.load(root / f"{a}.pt"), torch.load(root / f"{b}.pt")
+    keys = [k for k in pb if only in k]
+    assert keys and set(keys) <= set(pa), (sorted(pa)[:3], keys[:3])
+    return max((pa[k] - pb[k]).abs().max().item() for k in keys)
+
+
+def _sharded(r: dict) -> None:
+    assert r["all_dtensor"] and r["placements"] == ["(Shard(dim=0),)"] and r["frozen_sharded"]
+    assert r["optimizer_on_dtensors"] and r["wrapped_is_model"]  # no DDP / accelerate wrapper around it
+
+
+def test_mindspeed_trainer_dp_shard_matches_single_process(root, reference, train):
+    r = train["ms"]
+    _close(r["losses"], reference["base"]["losses"])
+    _close(r["grad_norms"], reference["base"]["grad_norms"])  # clip_grad_norm_ over DTensor grads
+    _sharded(r)  # checked after evaluate(): the tail/root groups were resharded
+    assert r["eval_loss"] == r["eval_loss"]  # evaluation ran (finite)
+    assert not any(r["report_kernels"].values())  # kernels off here: this tests the sharding alone
+    assert _param_diff(root, "ms", "ref_base") < TOL
+
+
+def test_kernels_on_a_sharded_model(reference, train):
+    r = train["ms_kernels"]
+    assert all(r["report_kernels"].values())  # fused loss included: it reads the sharded tail group's lm_head
+    _close(r["losses"], reference["base"]["losses"])
+    _sharded(r)
+
+
+def test_plain_trainer_fsdp_arguments_with_gradient_accumulation(root, reference, train):
+    r = train["plain"]
+    _close(r["losses"], reference["ga2"]["losses"])
+    _close(r["grad_norms"], reference["ga2"]["grad_norms"])
+    _sharded(r)
+    assert not r["accelerate_fsdp"] and r["num_processes"] == 2
+    assert _param_diff(root, "plain", "ref_ga2") < TOL  # SGD: the clipped gradients are the update
+
+
+def test_accelerate_launch_environment(root, reference, env_run):
+    assert env_run["meta_on_rank"] == [False, True]  # rank 1 got its shards from rank 0
+    r = env_run["env"]
+    _close(r["losses"], reference["base"]["losses"])
+    _sharded(r)
+    assert not r["accelerate_fsdp"]
+    assert _param_diff(root, "env", "ref_base") < TOL
+
+
+def test_save_model_loads_with_from_pretrained(root, train):
+    assert "model.safetensors" in train["ms"]["export_files"]
+    assert _param_diff(root, "ms_export", "ms") == 0.0
+
+
+def test_sharded_checkpoint_and_resume(root, train, env_run):
+    files = train["ms"]["ckpt_files"]
+    assert "COMPLETE" in files and "trainer_state.json" in files and "rng_state_1.pth" in files
+    assert any(f.endswith(".distcp") for f in files) and "model.safetensors" not in files
+    assert "checkpoint-3" in env_run["incomplete_error"] and "COMPLETE" in env_run["incomplete_error"]
+    r = env_run["resume"]  # checkpoint-4 was "interrupted" (staging), checkpoint-3 unmarked: resumes from 2
+    assert r["steps"] == 4 and len(r["losses"]) == 2
+    _close(r["losses"], train["ms"]["losses"][2:4])
+    assert _param_diff(root, "resume", "ms") < TOL
+    assert "checkpoint-4" in r["dirs"] and "checkpoint-4.tmp" not in r["dirs"]  # re-saved, published
+
+
+def test_lora(root, reference, train):
+    r = train["lora"]
+    _close(r["losses"], reference["lora"]["losses"])
+    _sharded(r)  # frozen base weights sharded too
+    assert _param_diff(root, "lora", "ref_lora") < TOL
+    assert "adapter_model.safetensors" in r["export_files"] and "model.safetensors" not in r["export_files"]
+    assert _param_diff(root, "lora", "lora_export", only="lora_") == 0.0
+
+
+def test_hsdp_with_gradient_accumulation(root, reference, hsdp):
+    r = hsdp["hsdp"]
+    assert r["dims"] == [2, 2] and r["placements"] == ["(Replicate(), Shard(dim=0))"]
+    _close(r["losses"], reference["hsdp"]["losses"])
+    _close(r["grad_norms"], reference["hsdp"]["grad_norms"])
+    assert _param_diff(root, "hsdp", "ref_hsdp") < TOL
+
+
+def test_bf16_mixed_precision(reference, train):
+    r = train["bf16"]
+    _close(r["losses"], reference["base"]["losses"][:2], tol=2e-2)  # bf16 compute vs the fp32 reference
+    _sharded(r)
+    assert r["param_dtypes"] == ["torch.float32"] and r["compute_dtypes"] == ["torch.bfloat16"]
+
+
+# ---------------------------------------------------------------------------------------------- examples
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines() if '"loss"' in line]
+
+
+@pytest.mark.parametrize("script,how", [("sft_trainer.py", "args"), ("sft_lora.py", "args"), ("sft_trl.py", "env")])
+def test_example_under_torchrun_matches_single_process(script, how, tmp_path):
+    """FSDP through `--fsdp full_shard` or the accelerate launch environment; kernels on (import mindspeed_hf)."""
+    common = [str(REPO / "examples" / script), "--max_steps", "4"]
+    single, sharded = tmp_path / "single.jsonl", tmp_path / "sharded.jsonl"
+    _run([sys.executable, *common, "--output_dir", str(tmp_path / "a"), "--losses_file", str(single)],
+         _env(auto=True), f"{script} single process")
+    extra = accelerate_fsdp2_env(tmp_path) if how == "env" else {}
+    flags = ["--fsdp", "full_shard"] if how == "args" else []
+    _run(_torchrun(*common, "--output_dir", str(tmp_path / "b"), "--losses_file", str(sharded),
+                   "--per_device_train_batch_size", "4", *flags), _env(auto=True, **extra), f"{script} torchrun")
+    _close(_losses(sharded), _losses(single))
+
+
+# ---------------------------------------------------------------------------------------------- the request
+def _plan(args=None, world: int = 2, env: dict | None = None, **parallel):
+    from mindspeed_hf.config import load_config
+    from mindspeed_hf.trainers.fsdp import resolve_plan
+
+    return resolve_plan(args, load_config({"parallel": parallel}), env=env or {}, world_size=world)
+
+
+def _hf_args(tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
+
+
+def test_plan_sources(tmp_path):
+    assert _plan(world=1) is None and _plan(world=2) is None  # no request: Trainer unchanged (DDP stays DDP)
+    plan = _plan(_hf_args(tmp_path, fsdp="shard_grad_op offload", fsdp_config={"fsdp_version": 2}))
+    assert (plan.dp_shard, plan.reshard_after_forward, plan.cpu_offload) == (2, False, True)
+    env = accelerate_fsdp2_env(tmp_path)
+    plan = _plan(env=env, prefetch=2)
+    assert (plan.dp_shard, plan.reshard_after_forward, plan.prefetch, plan.cpu_ram_efficient_loading) == (2, True, 2,
+                                                                                                         True)
+    assert _plan(env={**env, "FSDP_VERSION": "1", "ACCELERATE_USE_PARALLELISM_CONFIG": "false"}) is None  # accelerate's
+    assert _plan(world=4, dp_replicate=2).dp_shard == 2  # HSDP from our sizes alone
+    plan = _plan(_hf_args(tmp_path, fsdp=True), reshard_after_forward=False)  # HF's default is not a statement
+    assert plan.reshard_after_forward is False
+
+
+@pytest.mark.parametrize("case,match", [
+    ("v1_with_sizes", r"version 1.*dp_shard"),
+    ("product", r"parallel config.*world_size=2"),
+    ("sizes_disagree", r"PARALLELISM_CONFIG.*contradict|contradictory mesh sizes"),
+    ("knob_disagree", r"reshard_after_forward"),
+    ("cp", r"cp size 2 \(context parallel\)"),
+])
+def test_contradictions_fail_naming_the_settings(case, match, tmp_path):
+    env = accelerate_fsdp2_env(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        if case == "v1_with_sizes":
+            _plan(_hf_args(tmp_path, fsdp=True, fsdp_config={"fsdp_version": 1}), dp_shard=2)
+        elif case == "product":
+            _plan(dp_shard=4)
+        elif case == "sizes_disagree":
+            _plan(env=env, dp_replicate=2)
+        elif case == "knob_disagree":
+            _plan(env=env, reshard_after_forward=False)
+        else:
+            _plan(world=4, cp=2)
+
+
+def test_mindspeed_trainer_fails_before_any_work(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import mindspeed_hf
+    from mindspeed_hf.trainers import MindSpeedTrainer, MindSpeedTrainingArguments
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    args = MindSpeedTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", mindspeed_dp_shard=2)
+    with pytest.raises(ValueError, match=r"mindspeed_dp_shard.*world_size=1"):
+        MindSpeedTrainer(model=model, args=args)
+    assert not mindspeed_hf.is_enabled()  # nothing was patched
