@@ -21,6 +21,8 @@ _logger = logging.getLogger("mindspeed_hf")
 if not _logger.handlers:
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("%(message)s"))
+    # Under torchrun, info lines come from rank 0 only; warnings from every rank.
+    _handler.addFilter(lambda r: r.levelno >= logging.WARNING or os.environ.get("RANK", "0") == "0")
     _logger.addHandler(_handler)
     _logger.setLevel(os.environ.get("MINDSPEED_HF_LOG_LEVEL", "INFO").upper())
     _logger.propagate = False
