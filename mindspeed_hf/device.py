@@ -54,7 +54,7 @@ def detect_device_type() -> str:
 def dist_backend(device_type: str) -> str:
     """The torch.distributed backend for a device type (hccl, nccl or gloo)."""
     if device_type not in DIST_BACKENDS:
-        raise ValueError(f"device type {device_type!r} is not one of {sorted(DIST_BACKENDS)}")
+        raise ValueError(f"unsupported device type {device_type!r}; valid choices: {sorted(DIST_BACKENDS)}")
     return DIST_BACKENDS[device_type]
 
 

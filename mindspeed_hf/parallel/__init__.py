@@ -25,10 +25,7 @@ from .checkpoint import (
     save_sharded,
 )
 from .dims import (
-    BACKENDS,
     ParallelDims,
-    backend_for,
-    default_device_type,
     expert_mesh,
     fsdp_mesh,
     init_distributed,
@@ -51,14 +48,11 @@ from .loading import (
 )
 
 __all__ = [
-    "BACKENDS",
     "COMPLETE_MARKER",
     "ParallelDims",
     "apply_fsdp",
-    "backend_for",
     "build_meta_model",
     "capture_rng_state",
-    "default_device_type",
     "expert_mesh",
     "find_decoder_layers",
     "from_pretrained_sharded",

@@ -25,35 +25,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..device import DIST_BACKENDS, detect_device_type, import_torch_npu
+from ..device import detect_device_type, dist_backend, import_torch_npu
 
 __all__ = [
-    "BACKENDS",
     "ParallelDims",
-    "backend_for",
-    "default_device_type",
     "expert_mesh",
     "fsdp_mesh",
     "init_distributed",
 ]
 
 #: process-group backend per device type (shared with mindspeed_hf.device)
-BACKENDS: dict[str, str] = DIST_BACKENDS
-
 MESH_DIM_NAMES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp")
-
-
-def backend_for(device_type: str) -> str:
-    """The collective backend for ``device_type`` (``npu``->hccl, ``cuda``->nccl, ``cpu``->gloo)."""
-    try:
-        return BACKENDS[device_type]
-    except KeyError:
-        raise ValueError(f"unsupported device type {device_type!r}; valid choices: {sorted(BACKENDS)}") from None
-
-
-def default_device_type() -> str:
-    """``"npu"`` if torch_npu sees a device, else ``"cuda"`` if CUDA is available, else ``"cpu"``."""
-    return detect_device_type()
 
 
 def init_distributed(
@@ -63,12 +45,12 @@ def init_distributed(
 ) -> torch.device:
     """Start the default process group from the torchrun environment unless one is already up.
 
-    Picks the backend from ``device_type`` (see :func:`backend_for`), sets the current accelerator
+    Picks the backend from ``device_type`` (see :func:`mindspeed_hf.device.dist_backend`), sets the current accelerator
     to ``LOCAL_RANK`` for cuda/npu, and returns this rank's device. Without torchrun variables a
     one-process group is started on localhost, so single-process runs use the same code path.
     """
-    device_type = device_type or default_device_type()
-    backend = backend_for(device_type)
+    device_type = device_type or detect_device_type()
+    backend = dist_backend(device_type)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "npu" and import_torch_npu() is None:  # registers torch.npu and hccl
         raise RuntimeError("device_type 'npu' needs torch_npu (and the CANN toolkit) to load")
@@ -212,7 +194,7 @@ class ParallelDims:
         Axes ``dp_replicate, dp_shard, cp`` (sizes may be 1) plus the flattened views ``dp``,
         ``dp_shard_cp`` and ``dp_cp``; with ``ep > 1`` also the expert mesh (:func:`expert_mesh`).
         """
-        backend_for(device_type)  # validates the device type
+        dist_backend(device_type)  # validates the device type
         if dist.is_initialized() and dist.get_world_size() != self.world_size:
             raise ValueError(
                 f"ParallelDims.world_size={self.world_size} but the process group has "

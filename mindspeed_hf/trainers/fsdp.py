@@ -82,7 +82,7 @@ def shard_model(trainer: Any, model: nn.Module) -> nn.Module:
     dims = parallel.ParallelDims(plan.dp_replicate, plan.dp_shard, plan.cp, plan.ep, world_size=dist.get_world_size())
     mesh = dims.build_mesh(device_type)
     if plan.activation_checkpointing and not trainer._mindspeed_config.memory.recompute:
-        from .trainer import enable_recompute
+        from ..memory import enable_recompute
 
         enable_recompute(model)
     param_dtype = _low_precision(trainer._mindspeed_args)

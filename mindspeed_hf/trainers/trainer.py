@@ -19,6 +19,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from ..config import MindSpeedConfig
+from ..memory import enable_recompute
 from . import fsdp
 from .arguments import MindSpeedTrainingArguments
 
@@ -44,24 +45,6 @@ def _activate(config: MindSpeedConfig) -> None:
     if mindspeed_hf.is_enabled():
         logger.info("mindspeed_hf: the training arguments ask for another config than the active one; switching")
     mindspeed_hf.enable(config)
-
-
-def enable_recompute(model: nn.Module) -> None:
-    """Non-reentrant activation checkpointing through HF's own switch (also through a PEFT wrapper).
-
-    Non-reentrant because the reentrant variant needs inputs that require grad (breaks frozen-base LoRA) and
-    does not compose with FSDP2.
-    """
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    else:
-        logger.warning("mindspeed_hf: recompute asked for, but %s has no activation checkpointing switch; it is off",
-                       type(model).__name__)
-        return
-    logger.info("mindspeed_hf: recompute is on (non-reentrant activation checkpointing on every decoder layer)")
 
 
 def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpeedConfig:

@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
-from mindspeed_hf.parallel.dims import ParallelDims, backend_for  # noqa: E402
+from mindspeed_hf.device import dist_backend  # noqa: E402
+from mindspeed_hf.parallel.dims import ParallelDims  # noqa: E402
 from mindspeed_hf.parallel.loading import local_shard_slices  # noqa: E402
 
 
@@ -52,11 +53,11 @@ def test_invalid_sizes_name_sizes_and_choices(kwargs, words):
 
 
 def test_backend_map():
-    assert backend_for("cpu") == "gloo"
-    assert backend_for("cuda") == "nccl"
-    assert backend_for("npu") == "hccl"
+    assert dist_backend("cpu") == "gloo"
+    assert dist_backend("cuda") == "nccl"
+    assert dist_backend("npu") == "hccl"
     with pytest.raises(ValueError, match="valid choices"):
-        backend_for("tpu")
+        dist_backend("tpu")
 
 
 def test_mesh_helpers_need_a_built_mesh():
