@@ -15,13 +15,13 @@ from torch import nn
 
 from ..config import MindSpeedConfig
 from ..ops import registry
+from ..ops.attention import ATTENTION_NAME, register_attention, unregister_attention
 from . import forwards
 from .engine import PatchSet
 from .families import FAMILIES, ModelFamily
 
 logger = logging.getLogger("mindspeed_hf")
 
-ATTENTION_NAME = "mindspeed"
 _OPS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy")
 
 _patches = PatchSet()
@@ -108,9 +108,7 @@ def enable(config: MindSpeedConfig | None = None) -> None:
         disable()
     registry.set_backend(config.backend)  # validated here, before any model is touched
     if config.kernels.attention:
-        from ..ops import attention
-
-        attention.register_attention()
+        register_attention()
     if config.kernels.fused_linear_cross_entropy:
         from . import causal_lm
 
@@ -135,9 +133,7 @@ def disable() -> None:
         if model.config._attn_implementation == ATTENTION_NAME:
             model.set_attn_implementation("sdpa")
     _models.clear()
-    from ..ops import attention
-
-    attention.unregister_attention()
+    unregister_attention()
     registry.set_backend(None)
     _state["config"] = None
 
