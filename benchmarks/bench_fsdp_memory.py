@@ -66,10 +66,17 @@ def worker(args) -> None:
     opt, loss = one_step(model, rank, world, scale=float(world))
     stats = local_state_bytes(model, opt)
     stats.update(rank=rank, loss=loss, n_params=n_params, peak_rss=peak_memory_bytes("cpu"))
+    _gather_to_file(stats, world, args.out)
+
+
+def _gather_to_file(stats: dict, world: int, out: str) -> None:
+    """Every rank's stats into one JSON file (written by rank 0), then leave the process group."""
+    import torch.distributed as dist
+
     gathered = [None] * world
     dist.all_gather_object(gathered, stats)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(gathered))
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(gathered))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -121,12 +128,7 @@ def load_worker(args) -> None:
         "rss_growth": after["VmRSS"] - before["VmRSS"],
         "params": local_state_bytes(model)["params"],
     }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, stats)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
+    _gather_to_file(stats, world, args.out)
 
 
 def launch(nproc: int, fsdp: bool, args, out: Path, load: str | None = None) -> list[dict]:
