@@ -98,8 +98,17 @@ def _final_norm(hf_model: nn.Module) -> nn.Module | None:
     return None
 
 
-def get_fsdp_parts(model: nn.Module) -> dict[str, object]:
-    """The pieces :func:`apply_fsdp` groups: ``layers``, ``embed``, ``norm``, ``lm_head``, ``tied``."""
+def get_fsdp_parts(model: nn.Module, layer_classes: Iterable[str] | None = None) -> dict[str, object]:
+    """The pieces :func:`apply_fsdp` groups: ``layers``, ``embed``, ``norm``, ``lm_head``, ``tied``.
+
+    ``layer_classes`` names the classes sharded one group each (default: the model's ``_no_split_modules``);
+    a name no module of the model has is an error naming the model's module classes."""
+    if layer_classes is not None:
+        present = {type(m).__name__ for m in model.modules()}
+        missing = sorted(set(layer_classes) - present)
+        if missing:
+            raise ValueError(f"layer classes to wrap {missing} are not in {type(model).__name__}; valid choices "
+                             f"include {sorted(_no_split_class_names(model)) or sorted(present)[:8]}")
     hf = unwrap_hf_model(model)
     embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
     lm_head = None
@@ -112,7 +121,7 @@ def get_fsdp_parts(model: nn.Module) -> dict[str, object]:
         and embed.weight is getattr(lm_head, "weight", None)
     )
     return {
-        "layers": find_decoder_layers(model),
+        "layers": find_decoder_layers(model, layer_classes),
         "embed": embed,
         "norm": _final_norm(hf),
         "lm_head": lm_head,
@@ -150,6 +159,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     prefetch: int = 1,
+    layer_classes: Iterable[str] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 and return it.
 
@@ -168,6 +178,8 @@ def apply_fsdp(
         cpu_offload: keep sharded parameters, gradients and optimizer state on the host
             (``CPUOffloadPolicy``); a no-op (with a warning) on a CPU mesh.
         prefetch: how many layers ahead to all-gather in forward and backward (0: FSDP's default).
+        layer_classes: class names sharded one group each (accelerate's transformer_layer_cls_to_wrap);
+            default: the model's ``_no_split_modules``.
     """
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp: mesh must be 1-D (FSDP) or 2-D (HSDP), got ndim={mesh.ndim}")
@@ -190,7 +202,7 @@ def apply_fsdp(
         "offload_policy": offload,
     }
 
-    parts = get_fsdp_parts(model)
+    parts = get_fsdp_parts(model, layer_classes)
     layers: list[nn.Module] = parts["layers"]  # type: ignore[assignment]
     if not layers:
         warnings.warn(

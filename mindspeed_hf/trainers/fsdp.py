@@ -94,7 +94,7 @@ def shard_model(trainer: Any, model: nn.Module) -> nn.Module:
     full = model.state_dict() if sync and dist.get_rank() == 0 else None
     parallel.apply_fsdp(model, parallel.fsdp_mesh(mesh, dims), param_dtype=param_dtype, reduce_dtype=torch.float32,
                         reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
-                        prefetch=plan.prefetch)
+                        prefetch=plan.prefetch, layer_classes=plan.layer_classes)
     if sync:
         _broadcast_from_rank0(model, full, device)
     # transformers' own FSDP2 marker: generate() then keeps the ranks in step (synced_gpus), and Trainer's

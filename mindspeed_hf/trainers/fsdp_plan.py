@@ -41,6 +41,7 @@ class FsdpPlan:
     cpu_ram_efficient_loading: bool
     activation_checkpointing: bool
     sources: tuple[str, ...]
+    layer_classes: tuple[str, ...] | None = None  # None: the model's _no_split_modules
 
 
 # ---------------------------------------------------------------------------------------------- the request
@@ -59,8 +60,11 @@ def _hf_request(args: Any) -> dict[str, Any] | None:
     version = int(plugin.get("fsdp_version", 2))
     # HF fills reshard_after_forward in with a default; only what the user stated (fsdp_config, or a legacy
     # `fsdp="full_shard"` string, which HF writes into fsdp_config) may contradict our own setting.
-    stated = (getattr(args, "fsdp_config", None) or {}).get("reshard_after_forward")
+    config = getattr(args, "fsdp_config", None) or {}
+    stated = config.get("reshard_after_forward")
     return {"source": "TrainingArguments.fsdp/fsdp_config", "version": version,
+            **_wrap_request(plugin.get("auto_wrap_policy"), plugin.get("transformer_cls_names_to_wrap"),
+                            plugin.get("state_dict_type") if "state_dict_type" in config else None),
             "reshard_after_forward": _flag(stated, "fsdp_config['reshard_after_forward']")
             if version == 2 and stated is not None else None,
             **{k: bool(plugin.get(k, False)) for k in ("cpu_offload", "cpu_ram_efficient_loading",
@@ -76,8 +80,30 @@ def _env_request(env: Mapping[str, str]) -> dict[str, Any] | None:
         ("cpu_offload", "OFFLOAD_PARAMS"), ("cpu_ram_efficient_loading", "CPU_RAM_EFFICIENT_LOADING"),
         ("activation_checkpointing", "ACTIVATION_CHECKPOINTING"))}
     return {"source": "accelerate launch environment (ACCELERATE_USE_FSDP)", "version": version,
+            **_wrap_request(env.get("FSDP_AUTO_WRAP_POLICY"), env.get("FSDP_TRANSFORMER_CLS_TO_WRAP"),
+                            env.get("FSDP_STATE_DICT_TYPE")),
             "reshard_after_forward": _flag(reshard, "FSDP_RESHARD_AFTER_FORWARD") if reshard and version == 2
             else None, **flags}
+
+
+def _wrap_request(policy: str | None, classes: str | None, state_dict_type: str | None) -> dict[str, Any]:
+    """accelerate's wrapping and state-dict settings, normalised (None: not stated)."""
+    names = tuple(c.strip() for c in (classes or "").split(",") if c.strip()) or None
+    return {"auto_wrap_policy": (policy or "").upper() or None, "layer_classes": names,
+            "state_dict_type": (state_dict_type or "").upper() or None}
+
+
+def _say_what_differs(request: dict[str, Any]) -> None:
+    """accelerate settings mindspeed_hf's FSDP2 does not follow: say so (once per trainer) instead of dropping them."""
+    policy = request["auto_wrap_policy"]
+    if policy not in (None, "TRANSFORMER_BASED_WRAP"):
+        logger.warning("mindspeed_hf FSDP2: %s sets auto_wrap_policy=%s, which is not applied: each decoder layer "
+                       "(or transformer_layer_cls_to_wrap) is one FSDP group, as with TRANSFORMER_BASED_WRAP",
+                       request["source"], policy)
+    if request["state_dict_type"] == "FULL_STATE_DICT":
+        logger.warning("mindspeed_hf FSDP2: %s sets state_dict_type=FULL_STATE_DICT; checkpoints are written as "
+                       "sharded DCP directories instead (resumable, no full gather); save_model still writes "
+                       "consolidated HF safetensors", request["source"])
 
 
 def _explicit(section: ParallelConfig) -> dict[str, Any]:
@@ -175,8 +201,14 @@ def resolve_plan(args: Any, config: MindSpeedConfig, env: Mapping[str, str] | No
     if dp_replicate * dp_shard * cp == 1:
         logger.info("mindspeed_hf: FSDP asked for in a single process; nothing to shard")
         return None
+    stated_classes = {r["layer_classes"] for r in requests if r["layer_classes"]}
+    if len(stated_classes) > 1:
+        raise ValueError(f"{requests[0]['source']} and {requests[1]['source']} name different layer classes to "
+                         f"wrap: {sorted(stated_classes)}; set transformer_layer_cls_to_wrap in one place only")
+    for request in requests:
+        _say_what_differs(request)
     sources = tuple(r["source"] for r in requests) + ((_CONFIG_LABEL,) if ours_sizes else ())
     return FsdpPlan(dp_replicate, dp_shard, cp, ep, bool(_knob("reshard_after_forward", hf, config)),
                     bool(_knob("cpu_offload", hf, config)), config.parallel.prefetch,
                     bool(hf and hf["cpu_ram_efficient_loading"]), bool(hf and hf["activation_checkpointing"]),
-                    sources)
+                    sources, next(iter(stated_classes), None))

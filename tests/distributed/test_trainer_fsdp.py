@@ -144,6 +144,14 @@ def test_accelerate_launch_environment(root, reference, env_run):
     assert _param_diff(root, "env", "ref_base") < TOL
 
 
+def test_load_best_model_at_end(root, reference, env_run):
+    r = env_run["best"]
+    assert r["best"] == reference["best"]["best"] != "checkpoint-4"  # an early checkpoint is the "best"
+    _close(r["losses"], reference["best"]["losses"])
+    assert _param_diff(root, "best", "ref_best") < TOL  # the best checkpoint's weights, as plain HF loads them
+    assert _param_diff(root, "best", "env") > 1e-3  # ... which are not the final weights
+
+
 def test_save_model_loads_with_from_pretrained(root, train):
     assert "model.safetensors" in train["ms"]["export_files"]
     assert _param_diff(root, "ms_export", "ms") == 0.0
@@ -266,3 +274,31 @@ def test_mindspeed_trainer_fails_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=r"mindspeed_dp_shard.*world_size=1"):
         MindSpeedTrainer(model=model, args=args)
     assert not mindspeed_hf.is_enabled()  # nothing was patched
+
+
+def test_wrap_and_state_dict_settings_are_followed_or_reported(tmp_path, caplog):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from mindspeed_hf.parallel.fsdp import get_fsdp_parts
+
+    config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": "Qwen3MLP"}
+    assert _plan(_hf_args(tmp_path, fsdp=True, fsdp_config=config)).layer_classes == ("Qwen3MLP",)
+    env = accelerate_fsdp2_env(tmp_path)
+    assert _plan(env=env).layer_classes is None  # not stated: the model's _no_split_modules
+    assert _plan(env={**env, "FSDP_TRANSFORMER_CLS_TO_WRAP": "A, B"}).layer_classes == ("A", "B")
+    with pytest.raises(ValueError, match="different layer classes"):
+        _plan(_hf_args(tmp_path, fsdp=True, fsdp_config=config), env={**env, "FSDP_TRANSFORMER_CLS_TO_WRAP": "B"})
+
+    caplog.clear()
+    _plan(env={**env, "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"})
+    said = caplog.text
+    assert "auto_wrap_policy=SIZE_BASED_WRAP, which is not applied" in said and "FULL_STATE_DICT" in said
+    caplog.clear()
+    _plan(env=env)  # TRANSFORMER_BASED_WRAP + SHARDED_STATE_DICT: what mindspeed_hf does, nothing to report
+    assert "not applied" not in caplog.text and "FULL_STATE_DICT" not in caplog.text
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    assert [type(m).__name__ for m in get_fsdp_parts(model, ["Qwen3MLP"])["layers"]] == ["Qwen3MLP"] * 2
+    with pytest.raises(ValueError, match=r"\['Nope'\] are not in Qwen3ForCausalLM.*Qwen3DecoderLayer"):
+        get_fsdp_parts(model, ["Nope"])

@@ -9,7 +9,7 @@ single-process Trainer runs they must match. Rank 0 writes a JSON report to --ou
   hsdp   (4 ranks): MindSpeedTrainer with dp_replicate=2 x dp_shard=2 and gradient accumulation 2.
   env    (2 ranks, run with the variables `accelerate launch` exports for an FSDP2 config): plain Trainer with FSDP
                     only from the environment (weights loaded on rank 0 only: cpu_ram_efficient_loading); resume of
-                    the `train` run from its newest complete checkpoint.
+                    the `train` run from its newest complete checkpoint; load_best_model_at_end.
 Kernels stay off (HF's own model code) except in one run, so the sharding is tested alone.
 """
 
@@ -33,6 +33,9 @@ COMMON = dict(max_steps=STEPS, learning_rate=LR, logging_steps=1, report_to="non
               dataloader_drop_last=True, per_device_eval_batch_size=1)
 # SGD makes the clipping visible in the parameters (AdamW is almost blind to a gradient scale).
 GA2 = dict(gradient_accumulation_steps=2, optim="sgd", learning_rate=0.5, max_grad_norm=0.5)
+# load_best_model_at_end with the "best" being the highest eval loss: an early checkpoint, not the final model.
+BEST = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+            metric_for_best_model="eval_loss", greater_is_better=True)
 
 
 def tiny_model(lora: bool = False):
@@ -94,9 +97,13 @@ def recorder():
 
 def run(trainer_cls, model, args, eval_after: bool = False, **train_kwargs) -> tuple[object, dict]:
     rec = recorder()
-    trainer = trainer_cls(model=model, args=args, train_dataset=dataset(), data_collator=collate, callbacks=[rec])
+    evals = dataset(8, seed=2) if args.eval_strategy != "no" else None
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset(), eval_dataset=evals, data_collator=collate,
+                          callbacks=[rec])
     trainer.train(**train_kwargs)
     out = {"losses": rec.losses, "grad_norms": rec.grad_norms}
+    if args.load_best_model_at_end:
+        out["best"] = os.path.basename(trainer.state.best_model_checkpoint)
     if eval_after:
         out["eval_loss"] = trainer.evaluate(eval_dataset=dataset(8, seed=2))["eval_loss"]
     return trainer, out
@@ -134,7 +141,7 @@ def scenario_reference(root: str) -> dict:
     tiny_model().save_pretrained(os.path.join(root, "env_src"))  # what the `env` run loads
     out = {}
     for name, kw, lora, ranks in (("base", {}, False, 2), ("ga2", GA2, False, 2), ("lora", {}, True, 2),
-                                  ("hsdp", GA2, False, 4)):
+                                  ("hsdp", GA2, False, 4), ("best", BEST, False, 2)):
         args = targs(TrainingArguments, os.path.join(root, f"ref_{name}"), per_device_train_batch_size=ranks * BATCH,
                      use_cpu=True, **kw)
         trainer, out[name] = run(Trainer, tiny_model(lora), args, eval_after=name == "base")
@@ -240,7 +247,12 @@ def scenario_env(root: str) -> dict:
     save_params(trainer.model, os.path.join(root, "env.pt"))
     out["env"] = res
 
-    # 2. Resume the MindSpeedTrainer run of `train`: its newest complete checkpoint is checkpoint-2.
+    # 2. load_best_model_at_end: the best checkpoint is an early one, loaded back into the sharded model.
+    args = targs(TrainingArguments, os.path.join(root, "best"), per_device_train_batch_size=BATCH, **BEST)
+    trainer, out["best"] = run(Trainer, tiny_model(), args)
+    save_params(trainer.model, os.path.join(root, "best.pt"))
+
+    # 3. Resume the MindSpeedTrainer run of `train`: its newest complete checkpoint is checkpoint-2.
     ms_dir = os.path.join(root, "ms")
     args = targs(TrainingArguments, ms_dir, per_device_train_batch_size=BATCH, save_strategy="steps", save_steps=2)
     trainer = MindSpeedTrainer(model=tiny_model(), args=args, train_dataset=dataset(), data_collator=collate)
