@@ -18,9 +18,11 @@ there is a real replicate axis.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import functools
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -80,15 +82,41 @@ def init_distributed(
 
 @functools.cache
 def _destroy_at_exit() -> None:
-    """Tear the process group down before interpreter shutdown. Scripts rarely call destroy_process_group, and
-    gloo's worker threads torn down during finalisation abort the process now and then ("terminate called
-    without an active exception") after a run that succeeded. Local on every backend: no collective, no hang."""
+    """Shut the process groups down cleanly when the script ends (scripts rarely call destroy_process_group).
+
+    The gloo groups outlive that call (DTensor's sharding caches keep their meshes), so their worker threads
+    live into interpreter finalisation. A worker drops a finished collective's tensors only after the waiter
+    has moved on; starved of CPU until finalisation, it then needs the GIL and aborts the process ("terminate
+    called without an active exception") after a run that succeeded. So wait, briefly and locally (no
+    collective, no hang when a peer died), until those threads are idle.
+    """
 
     def destroy() -> None:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        _wait_for_idle_gloo_workers()
 
     atexit.register(destroy)
+
+
+def _gloo_worker_states() -> list[str]:
+    """The scheduler state (R running/runnable, S sleeping, ...) of each gloo worker thread of this process
+    (Linux /proc; empty where it cannot be read)."""
+    states = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, IndexError), open(f"/proc/self/task/{tid}/stat") as f:
+                name, rest = f.read().split("(", 1)[1].rsplit(")", 1)
+                if name == "pt_gloo_runloop":
+                    states.append(rest.split()[0])
+    return states
+
+
+def _wait_for_idle_gloo_workers(limit_s: float = 2.0) -> None:
+    deadline, idle_polls = time.monotonic() + limit_s, 0
+    while idle_polls < 2 and time.monotonic() < deadline:
+        time.sleep(0.002)  # releases the GIL: a worker waiting for it finishes its release now
+        idle_polls = 0 if "R" in _gloo_worker_states() else idle_polls + 1
 
 
 def _free_port() -> int:
