@@ -89,7 +89,8 @@ def hsdp(root, reference) -> dict:
 
 @pytest.fixture(scope="module")
 def env_run(root, train) -> dict:
-    return _worker("env", root, **accelerate_fsdp2_env(root))
+    # with the layer class named, as accelerate exports fsdp_transformer_layer_cls_to_wrap
+    return _worker("env", root, **accelerate_fsdp2_env(root), FSDP_TRANSFORMER_CLS_TO_WRAP="Qwen3DecoderLayer")
 
 
 def _close(a: list[float], b: list[float], tol: float = TOL) -> None:
