@@ -92,9 +92,11 @@ def _destroy_at_exit() -> None:
     """
 
     def destroy() -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        _wait_for_idle_gloo_workers()
+        try:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            _wait_for_idle_gloo_workers()
 
     atexit.register(destroy)
 
