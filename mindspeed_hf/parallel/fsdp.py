@@ -66,8 +66,14 @@ def _no_split_class_names(model: nn.Module) -> set[str]:
 
 
 def find_decoder_layers(model: nn.Module, class_names: Iterable[str] | None = None) -> list[nn.Module]:
-    """Modules whose class is named in ``_no_split_modules`` (outermost matches, model order)."""
+    """Modules whose class is named in ``class_names`` (default: ``_no_split_modules``), outermost matches, in
+    model order. A given name that no module of the model has is an error naming the valid ones."""
     names = set(class_names) if class_names is not None else _no_split_class_names(model)
+    if class_names is not None:
+        present = {type(m).__name__ for m in model.modules()}
+        if names - present:
+            raise ValueError(f"layer classes to wrap {sorted(names - present)} are not in {type(model).__name__}; "
+                             f"valid choices include {sorted(_no_split_class_names(model)) or sorted(present)[:8]}")
     if not names:
         return []
     layers: list[nn.Module] = []
@@ -101,14 +107,7 @@ def _final_norm(hf_model: nn.Module) -> nn.Module | None:
 def get_fsdp_parts(model: nn.Module, layer_classes: Iterable[str] | None = None) -> dict[str, object]:
     """The pieces :func:`apply_fsdp` groups: ``layers``, ``embed``, ``norm``, ``lm_head``, ``tied``.
 
-    ``layer_classes`` names the classes sharded one group each (default: the model's ``_no_split_modules``);
-    a name no module of the model has is an error naming the model's module classes."""
-    if layer_classes is not None:
-        present = {type(m).__name__ for m in model.modules()}
-        missing = sorted(set(layer_classes) - present)
-        if missing:
-            raise ValueError(f"layer classes to wrap {missing} are not in {type(model).__name__}; valid choices "
-                             f"include {sorted(_no_split_class_names(model)) or sorted(present)[:8]}")
+    ``layer_classes``: see :func:`find_decoder_layers`."""
     hf = unwrap_hf_model(model)
     embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
     lm_head = None

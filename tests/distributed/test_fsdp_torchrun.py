@@ -8,36 +8,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from child_runs import child_env, run_or_fail, torchrun
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 WORKER = HERE / "worker.py"
 TOL = 1e-5
 
 
 def _torchrun(nproc: int, scenario: str, root: Path) -> dict:
     out = root / f"{scenario}.json"
-    env = dict(os.environ)
-    env.update(
-        MINDSPEED_HF_AUTO="0",
-        OMP_NUM_THREADS="1",
-        TRANSFORMERS_VERBOSITY="error",
-        PYTHONWARNINGS="ignore",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-    )
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(WORKER), scenario, "--root", str(root), "--out", str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
-    if proc.returncode != 0 or not out.exists():
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        pytest.fail(f"torchrun {scenario} (nproc={nproc}) failed, rc={proc.returncode}:\n{tail}")
+    run_or_fail(torchrun(str(WORKER), scenario, "--root", str(root), "--out", str(out), nproc=nproc), child_env(),
+                f"torchrun {scenario} (nproc={nproc})")
     return json.loads(out.read_text())
 
 

@@ -9,37 +9,16 @@ example script one single-process and one torchrun run. The resolve_plan tests a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from child_runs import FOREIGN, REPO, child_env, run_or_fail, torchrun
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 WORKER = HERE / "trainer_worker.py"
 TOL = 1e-5
-_FOREIGN = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "MINDSPEED_HF_")
-
-
-def _env(auto: bool = False, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN)}
-    env.update(MINDSPEED_HF_AUTO="1" if auto else "0", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error",
-               PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-    env.update(extra)
-    return env
-
-
-def _run(cmd: list[str], env: dict[str, str], what: str) -> None:
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=500)
-    if proc.returncode != 0:
-        pytest.fail(f"{what} failed, rc={proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
-
-
-def _torchrun(*args: str, nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
 
 
 def accelerate_fsdp2_env(tmp: Path) -> dict[str, str]:
@@ -55,15 +34,15 @@ def accelerate_fsdp2_env(tmp: Path) -> dict[str, str]:
     path = tmp / "fsdp2.yaml"
     path.write_text(yaml.safe_dump(config))
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
-    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(_FOREIGN[:3])}
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(FOREIGN[:3])}
 
 
 def _worker(scenario: str, root: Path, **extra: str) -> dict:
     out = root / f"{scenario}.json"
     cmd = [str(WORKER), scenario, "--root", str(root), "--out", str(out)]
     nproc = 4 if scenario == "hsdp" else 2
-    launch = [sys.executable, *cmd] if scenario == "reference" else _torchrun(*cmd, nproc=nproc)
-    _run(launch, _env(**extra), scenario)
+    launch = [sys.executable, *cmd] if scenario == "reference" else torchrun(*cmd, nproc=nproc)
+    run_or_fail(launch, child_env(**extra), scenario)
     return json.loads(out.read_text())
 
 
@@ -204,12 +183,12 @@ def test_example_under_torchrun_matches_single_process(script, how, tmp_path):
     """FSDP through `--fsdp full_shard` or the accelerate launch environment; kernels on (import mindspeed_hf)."""
     common = [str(REPO / "examples" / script), "--max_steps", "4"]
     single, sharded = tmp_path / "single.jsonl", tmp_path / "sharded.jsonl"
-    _run([sys.executable, *common, "--output_dir", str(tmp_path / "a"), "--losses_file", str(single)],
-         _env(auto=True), f"{script} single process")
+    run_or_fail([sys.executable, *common, "--output_dir", str(tmp_path / "a"), "--losses_file", str(single)],
+         child_env(auto=True), f"{script} single process")
     extra = accelerate_fsdp2_env(tmp_path) if how == "env" else {}
     flags = ["--fsdp", "full_shard"] if how == "args" else []
-    _run(_torchrun(*common, "--output_dir", str(tmp_path / "b"), "--losses_file", str(sharded),
-                   "--per_device_train_batch_size", "4", *flags), _env(auto=True, **extra), f"{script} torchrun")
+    run_or_fail(torchrun(*common, "--output_dir", str(tmp_path / "b"), "--losses_file", str(sharded),
+                   "--per_device_train_batch_size", "4", *flags), child_env(auto=True, **extra), f"{script} torchrun")
     _close(_losses(sharded), _losses(single))
 
 

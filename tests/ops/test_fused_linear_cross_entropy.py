@@ -110,7 +110,8 @@ def test_tied_embeddings():
         torch.testing.assert_close(actual, expected, **TOL)
 
 
-def test_lora_on_lm_head_takes_part():
+def _lora_lm_head(r: int) -> nn.Module:
+    """A PEFT LoRA adapter (non-zero from the start) on a bare lm_head."""
     peft = pytest.importorskip("peft")
 
     class Head(nn.Module):
@@ -118,9 +119,13 @@ def test_lora_on_lm_head_takes_part():
             super().__init__()
             self.lm_head = nn.Linear(H, V, bias=False)
 
+    model = peft.get_peft_model(Head(), peft.LoraConfig(r=r, target_modules=["lm_head"], init_lora_weights=False))
+    return model.base_model.model.lm_head
+
+
+def test_lora_on_lm_head_takes_part():
     torch.manual_seed(0)
-    model = peft.get_peft_model(Head(), peft.LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False))
-    lm_head = model.base_model.model.lm_head
+    lm_head = _lora_lm_head(r=4)
     hidden, labels = _hidden(), _labels()
     lora = [p for n, p in lm_head.named_parameters() if "lora_" in n]
     assert len(lora) == 2
@@ -226,16 +231,8 @@ def test_zero3_empty_weight():
 
 
 def test_lora_head_with_no_valid_token():
-    peft = pytest.importorskip("peft")
-
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm_head = nn.Linear(H, V, bias=False)
-
-    model = peft.get_peft_model(Head(), peft.LoraConfig(r=2, target_modules=["lm_head"], init_lora_weights=False))
     hidden, labels = _hidden(), torch.full((B, S), -100)
-    out = fused_linear_cross_entropy(hidden, model.base_model.model.lm_head, labels)
+    out = fused_linear_cross_entropy(hidden, _lora_lm_head(r=2), labels)
     assert torch.isnan(out)
     out.backward()
     assert torch.count_nonzero(hidden.grad) == 0

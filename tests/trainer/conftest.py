@@ -4,34 +4,22 @@ accelerator patches at import, so "with" and "without" must be separate processe
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_runs import REPO, child_env
 
 import mindspeed_hf
 
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
-
-
-def subprocess_env(auto: bool, **extra: str) -> dict[str, str]:
-    """The environment of a child run: the repo importable, the accelerator on or off, no stray settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MINDSPEED_HF_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["MINDSPEED_HF_AUTO"] = "1" if auto else "0"
-    # Tiny models on 2 shared cores: one thread each is faster than oversubscribed threads, and deterministic.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.update(extra)
-    return env
 
 
 def run(cmd: list[str], auto: bool, cwd: Path | None = None, check: bool = True,
         **extra: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, env=subprocess_env(auto, **extra), cwd=cwd or REPO, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(cmd, env=child_env(auto, quiet=False, **extra), cwd=cwd or REPO, capture_output=True,
+                          text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

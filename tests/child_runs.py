@@ -1,0 +1,38 @@
+"""Child runs of the tests (example scripts, the CLI, torchrun workers): one child environment, one torchrun
+command line, one failure message with the output's tail."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Settings a developer's shell may carry that would change what a child run does.
+FOREIGN = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "MINDSPEED_HF_")
+
+
+def child_env(auto: bool = False, quiet: bool = True, **extra: str) -> dict[str, str]:
+    """This environment without FOREIGN settings and with the repo importable; kernels on only with `auto`;
+    one thread per process (tiny models on 2 shared cores: faster and deterministic); `quiet` silences
+    transformers' and Python's warnings (tests that read warnings keep them)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(FOREIGN)}
+    env.update(MINDSPEED_HF_AUTO="1" if auto else "0", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    if quiet:
+        env.update(TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    env.update(extra)
+    return env
+
+
+def torchrun(*args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def run_or_fail(cmd: list[str], env: dict[str, str], what: str, timeout: int = 500) -> None:
+    import pytest
+
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{what} failed, rc={proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
