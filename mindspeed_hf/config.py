@@ -1,32 +1,53 @@
-"""One typed configuration for the accelerator: kernels, parallel sizes, memory features.
+"""The accelerator's settings, declared once: one dataclass per group (kernels, parallel, memory).
 
-It is read from a YAML/JSON file or a dict (`MINDSPEED_HF_CONFIG=path.yaml` for unmodified scripts), and from
-MindSpeedTrainingArguments. Unknown keys and bad values fail here, before any model is built, with a message
-that names the setting and the valid choices.
+Everything else is derived from these declarations: the YAML schema (`MINDSPEED_HF_CONFIG=path.yaml`, sections
+`kernels` / `parallel` / `memory` plus `backend`), the training arguments (`mindspeed_<key>`, see
+trainers/arguments.py) and the environment variables (`MINDSPEED_HF_<SECTION>_<KEY>`, `MINDSPEED_HF_BACKEND`).
+
+A setting can be given in several places. They are read as layers, and the higher layer wins:
+
+    explicit arguments  >  MINDSPEED_HF_* variables  >  YAML file  >  accelerate launch environment  >  defaults
+
+(explicit arguments: what a trainer was given - MindSpeedTrainingArguments fields that were set, TrainingArguments
+`fsdp_config` / `parallelism_config`, or a config passed to `enable()`). Two explicit sources that disagree are an
+error; a lower layer overridden by a higher one is logged once. Unknown keys and bad values fail here, before any
+model is built, naming the setting and the valid choices.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .ops.registry import BACKEND_CHOICES
 
+logger = logging.getLogger("mindspeed_hf")
+
+ENV_PREFIX = "MINDSPEED_HF_"
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
 
 @dataclass
 class KernelConfig:
     """Which fused kernels to apply. Each one can be switched off on its own."""
 
-    rms_norm: bool = True
-    rope: bool = True
-    swiglu: bool = True
-    attention: bool = True
-    fused_linear_cross_entropy: bool = True
-    # Tokens per chunk of the fused loss; 0 picks one from the vocabulary size (see ops/fused_linear_cross_entropy).
-    loss_chunk_size: int = 0
+    rms_norm: bool = field(default=True, metadata=_help("use the fused RMSNorm kernel"))
+    rope: bool = field(default=True, metadata=_help("use the fused rotary position embedding kernel"))
+    swiglu: bool = field(default=True, metadata=_help("use the fused SwiGLU MLP kernel"))
+    attention: bool = field(default=True, metadata=_help(
+        "make the fused attention kernel the default attention (an explicit attn_implementation is kept)"))
+    fused_linear_cross_entropy: bool = field(default=True, metadata=_help(
+        "chunked causal-LM loss that never holds the full [tokens, vocab] logits"))
+    loss_chunk_size: int = field(default=0, metadata=_help(
+        "tokens per chunk of the fused loss; 0 picks one from the vocabulary size"))
 
     def __post_init__(self) -> None:
         if self.loss_chunk_size < 0:
@@ -35,20 +56,26 @@ class KernelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Device-mesh sizes. dp_shard=-1 takes what the other sizes leave of the world size."""
+    """Device-mesh sizes and FSDP2 knobs. dp_shard=-1 takes what the other sizes leave of the world size."""
 
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    cp: int = 1
-    ep: int = 1
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    prefetch: int = 1
+    dp_replicate: int = field(default=1, metadata=_help("data-parallel replicas (HSDP outer dimension)"))
+    dp_shard: int = field(default=-1, metadata=_help(
+        "FSDP2 shard group size; -1 takes what the other sizes leave of the world size"))
+    cp: int = field(default=1, metadata=_help("context-parallel size (not available yet: must be 1)"))
+    ep: int = field(default=1, metadata=_help("expert-parallel size for MoE models (not available yet: must be 1)"))
+    reshard_after_forward: bool = field(default=True, metadata=_help(
+        "FSDP2 frees the gathered parameters of a layer after its forward"))
+    cpu_offload: bool = field(default=False, metadata=_help("FSDP2 keeps sharded parameters in host memory"))
+    prefetch: int = field(default=1, metadata=_help("FSDP2 layers whose parameters are gathered ahead"))
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        for name, what in (("cp", "context"), ("ep", "expert")):
+            if getattr(self, name) > 1:
+                raise ValueError(f"parallel.{name}={getattr(self, name)}: {what} parallelism is not available in "
+                                 f"this release of mindspeed_hf; valid choices: parallel.{name}=1")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 to fill the world size")
         if self.prefetch < 0:
@@ -59,14 +86,17 @@ class ParallelConfig:
 class MemoryConfig:
     """Memory features, one switch each."""
 
-    recompute: bool = False
+    recompute: bool = field(default=False, metadata=_help(
+        "recompute activations in backward (non-reentrant activation checkpointing of every decoder layer)"))
 
 
 @dataclass
 class MindSpeedConfig:
     """The whole accelerator configuration."""
 
-    backend: str = "auto"
+    backend: str = field(default="auto", metadata=_help(
+        "kernel backend: auto follows the tensors' device; torch, npu or cuda force one",
+        choices=list(BACKEND_CHOICES)))
     kernels: KernelConfig = field(default_factory=KernelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -79,15 +109,62 @@ class MindSpeedConfig:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {"kernels": KernelConfig, "parallel": ParallelConfig, "memory": MemoryConfig}
+SECTIONS: dict[str, type] = {"kernels": KernelConfig, "parallel": ParallelConfig, "memory": MemoryConfig}
 
 
-def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+# ---------------------------------------------------------------------------------------------- the settings
+@dataclass(frozen=True)
+class Setting:
+    """One declared setting: where it lives in the config and the names derived from it."""
+
+    section: str | None  # None: top level (backend)
+    key: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def path(self) -> str:
+        """`kernels.rope`, `backend`: the name used in messages and YAML."""
+        return f"{self.section}.{self.key}" if self.section else self.key
+
+    @property
+    def argument(self) -> str:
+        """The MindSpeedTrainingArguments field / command-line flag name."""
+        return f"mindspeed_{self.key}"
+
+    @property
+    def env(self) -> str:
+        """The environment variable that sets it."""
+        return ENV_PREFIX + self.path.replace(".", "_").upper()
 
 
-def _check_type(where: str, value: Any, expected: Any) -> Any:
-    expected = {"bool": bool, "int": int, "str": str}.get(expected, expected)
+_TYPES = {"bool": bool, "int": int, "str": str}
+
+
+def _setting(section: str | None, f: dataclasses.Field) -> Setting:
+    choices = f.metadata.get("choices")
+    return Setting(section, f.name, _TYPES[f.type] if isinstance(f.type, str) else f.type, f.default,
+                   f.metadata["help"], tuple(choices) if choices else None)
+
+
+def settings() -> Iterator[Setting]:
+    """Every setting, in declaration order."""
+    for f in dataclasses.fields(MindSpeedConfig):
+        if f.name not in SECTIONS:
+            yield _setting(None, f)
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            yield _setting(section, f)
+
+
+_SETTINGS = {s.path: s for s in settings()}
+assert len({s.argument for s in _SETTINGS.values()}) == len(_SETTINGS), "setting keys must be unique"
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def _check_type(where: str, value: Any, expected: type) -> Any:
     if expected is bool and not isinstance(value, bool):
         raise ValueError(f"{where}={value!r} must be true or false")
     if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -97,25 +174,43 @@ def _check_type(where: str, value: Any, expected: Any) -> Any:
     return value
 
 
-def _build_section(name: str, cls: type, values: Any) -> Any:
-    if not isinstance(values, dict):
-        raise ValueError(f"config section {name!r} must be a mapping of {', '.join(_field_names(cls))}")
-    valid = {f.name: f.type for f in dataclasses.fields(cls)}
+def _check_keys(where: str, values: Any, valid: list[str]) -> dict[str, Any]:
+    if not isinstance(values, Mapping):
+        raise ValueError(f"config section {where!r} must be a mapping of {', '.join(valid)}")
     unknown = sorted(set(values) - set(valid))
     if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(f'{name}.{k}' for k in unknown)}; valid keys: {', '.join(valid)}")
-    return cls(**{k: _check_type(f"{name}.{k}", v, valid[k]) for k, v in values.items()})
+        names = ", ".join(f"{where}.{k}" if where else k for k in unknown)
+        raise ValueError(f"unknown config key(s) {names}; valid keys: {', '.join(valid)}")
+    return dict(values)
 
 
-def config_from_dict(data: dict[str, Any] | None) -> MindSpeedConfig:
+def flatten(data: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Nested config dict ({backend, kernels: {...}, ...}) -> {"kernels.rope": value, ...}, keys checked."""
+    data = _check_keys("", data or {}, ["backend", *SECTIONS])
+    flat: dict[str, Any] = {}
+    for name, values in data.items():
+        if name in SECTIONS:
+            values = _check_keys(name, values if values is not None else {},
+                                 [f.name for f in dataclasses.fields(SECTIONS[name])])
+            flat.update({f"{name}.{k}": v for k, v in values.items()})
+        else:
+            flat[name] = values
+    return flat
+
+
+def _build(flat: Mapping[str, Any]) -> MindSpeedConfig:
+    values = {path: _check_type(path, v, _SETTINGS[path].type) for path, v in flat.items()}
+    sections = {name: cls(**{k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(name + ".")})
+                for name, cls in SECTIONS.items()}
+    config = MindSpeedConfig(backend=values.get("backend", "auto"), **sections)
+    config.backend = config.backend.lower()
+    config.__post_init__()
+    return config
+
+
+def config_from_dict(data: Mapping[str, Any] | None) -> MindSpeedConfig:
     """Build and validate a MindSpeedConfig from nested dicts ({backend, kernels: {...}, parallel, memory})."""
-    data = dict(data or {})
-    valid = ["backend", *_SECTIONS]
-    unknown = sorted(set(data) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown config key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
-    sections = {name: _build_section(name, cls, data.get(name, {})) for name, cls in _SECTIONS.items()}
-    return MindSpeedConfig(backend=_check_type("backend", data.get("backend", "auto"), str), **sections)
+    return _build(flatten(data))
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -131,17 +226,125 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def load_config(source: str | os.PathLike | dict[str, Any] | None = None) -> MindSpeedConfig:
-    """The config from a dict or a file; with no source, from MINDSPEED_HF_CONFIG (or the defaults).
+# ---------------------------------------------------------------------------------------------- layers
+@dataclass
+class Layer:
+    """Settings from one source: `values` maps setting paths (`parallel.dp_shard`) to values."""
 
-    MINDSPEED_HF_BACKEND, when set, overrides the backend in every case.
-    """
+    source: str
+    values: dict[str, Any]
+
+
+def _parse_env_value(setting: Setting, text: str, name: str | None = None) -> Any:
+    """A variable's text as the setting's type; errors name the variable (`name`, default the setting's own)."""
+    name = name or setting.env
+    if setting.type is bool:
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}={text!r} must be true or false")
+    if setting.type is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{name}={text!r} must be an integer") from None
+    return text.strip().lower() if setting.key == "backend" else text
+
+
+def env_layer(env: Mapping[str, str] | None = None) -> Layer:
+    """MINDSPEED_HF_<SECTION>_<KEY> (and MINDSPEED_HF_BACKEND) variables."""
+    env = os.environ if env is None else env
+    values = {s.path: _parse_env_value(s, env[s.env]) for s in _SETTINGS.values() if env.get(s.env)}
+    return Layer("environment (MINDSPEED_HF_*)", values)
+
+
+def yaml_layer(source: str | os.PathLike | Mapping[str, Any] | None = None,
+               env: Mapping[str, str] | None = None) -> Layer:
+    """A YAML/JSON file or dict; with no source, the file MINDSPEED_HF_CONFIG names (or nothing)."""
+    env = os.environ if env is None else env
     if source is None:
-        source = os.environ.get("MINDSPEED_HF_CONFIG") or None
-    data = source if isinstance(source, dict) or source is None else read_config_file(source)
-    config = config_from_dict(data)
-    env_backend = os.environ.get("MINDSPEED_HF_BACKEND")
-    if env_backend:
-        config.backend = env_backend.lower()
-        config.__post_init__()
-    return config
+        source = env.get(ENV_PREFIX + "CONFIG") or None
+    if source is None:
+        return Layer("config file", {})
+    if isinstance(source, Mapping):
+        return Layer("config dict", flatten(source))
+    try:
+        return Layer(f"config file {str(source)!r}", flatten(read_config_file(source)))
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+
+
+# accelerate launch exports an accelerate YAML as these variables; the ones our settings mean too.
+_ACCELERATE_SIZES = {"parallel.dp_replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+                     "parallel.dp_shard": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+                     "parallel.cp": "PARALLELISM_CONFIG_CP_SIZE"}
+_ACCELERATE_FSDP = {"parallel.reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
+                    "parallel.cpu_offload": "FSDP_OFFLOAD_PARAMS",
+                    "memory.recompute": "FSDP_ACTIVATION_CHECKPOINTING"}
+
+
+def accelerate_env_layer(env: Mapping[str, str] | None = None) -> Layer:
+    """What an `accelerate launch` config says about our settings (PARALLELISM_CONFIG_*_SIZE, and FSDP_* for an
+    FSDP version 2 config)."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for path, name in _ACCELERATE_SIZES.items():
+        if env.get(name):
+            values[path] = _parse_env_value(_SETTINGS[path], env[name], name)
+    fsdp2 = env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") and env.get("FSDP_VERSION", "1") == "2"
+    for path, name in _ACCELERATE_FSDP.items():
+        if fsdp2 and env.get(name):
+            text = env[name].strip().lower()
+            # accelerate writes FSDP1 sharding-strategy names into the reshard variable for older configs
+            text = {"full_shard": "true", "shard_grad_op": "false", "no_shard": "false"}.get(text, text)
+            values[path] = _parse_env_value(_SETTINGS[path], text, name)
+    return Layer("accelerate launch environment", values)
+
+
+@dataclass
+class ResolvedConfig:
+    """A config plus where each setting that is not a default came from."""
+
+    config: MindSpeedConfig
+    sources: dict[str, str]  # setting path -> layer source
+
+    def is_set(self, path: str) -> bool:
+        return path in self.sources
+
+
+def resolve(explicit: list[Layer] | None = None, *, yaml_source: Any = None, env: Mapping[str, str] | None = None,
+            base: MindSpeedConfig | None = None) -> ResolvedConfig:
+    """Resolve the layers: explicit > MINDSPEED_HF_* environment > YAML > accelerate environment > defaults.
+
+    `explicit` layers are all of the top rank: if two of them set one setting to different values, that is an
+    error naming both. `base` (a whole config, e.g. the one given to enable()) takes the place of the layers below
+    the explicit ones. Raises ValueError for unknown keys, bad values and contradictions.
+    """
+    if base is not None:
+        layers = [Layer("config given to mindspeed_hf.enable()", flatten(base.to_dict()))]
+    else:
+        layers = [accelerate_env_layer(env), yaml_layer(yaml_source, env), env_layer(env)]
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for layer in layers:
+        for path, value in layer.values.items():
+            if path in values and values[path] != value:
+                logger.info("mindspeed_hf: %s=%r from the %s overrides %r from the %s", path, value, layer.source,
+                            values[path], sources[path])
+            values[path], sources[path] = value, layer.source
+    chosen: dict[str, str] = {}
+    for layer in explicit or []:
+        for path, value in layer.values.items():
+            if path in chosen and values[path] != value:
+                raise ValueError(f"{chosen[path]} sets {path}={values[path]!r} but {layer.source} sets "
+                                 f"{value!r}; set it in one place only")
+            values[path], sources[path], chosen[path] = value, layer.source, layer.source
+    return ResolvedConfig(_build(values), sources)
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None) -> MindSpeedConfig:
+    """The config from a dict or a file (then that is the YAML layer); with no source, from MINDSPEED_HF_CONFIG.
+    The MINDSPEED_HF_* variables and the accelerate launch environment are layered as `resolve` describes."""
+    return resolve(yaml_source=source).config

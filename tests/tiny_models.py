@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from mindspeed_hf.compat import rope_config
+
 VOCAB = 128
 _COMMON = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -25,7 +27,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "gemma3_text": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     "phi3": dict(
         pad_token_id=0, eos_token_id=1, bos_token_id=1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        **rope_config(theta=10000.0, partial_rotary_factor=0.5),
     ),
 }
 

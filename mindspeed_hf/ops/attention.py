@@ -26,6 +26,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from .. import compat
 from ..device import import_torch_npu
 from . import varlen
 from .registry import register, select
@@ -111,16 +112,16 @@ def _expand_compact_mask(mask, query, key, sliding_window, is_causal):
         if window is not None:
             fn = masking_utils.sliding_window_causal_mask_function(window)
     else:
-        fn = masking_utils.bidirectional_mask_function
+        fn = compat.bidirectional_mask_function
     padding = None
     if _is_packed_ids(mask):
         fn = masking_utils.and_masks(fn, masking_utils.packed_sequence_mask_function(mask))
     elif mask is not None:
         padding = mask.to(device=query.device, dtype=torch.bool)
     return masking_utils.sdpa_mask(
-        batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=kv_len - q_len, kv_offset=0,
-        mask_function=fn, attention_mask=padding, local_size=window, allow_is_causal_skip=mask is None,
-        device=query.device,
+        batch_size=batch, kv_length=kv_len, kv_offset=0, mask_function=fn, attention_mask=padding,
+        local_size=window, allow_is_causal_skip=mask is None,
+        **compat.mask_query_kwargs(q_len, kv_len - q_len, query.device),
     )
 
 
@@ -307,9 +308,7 @@ def _recognise(mask_function) -> _Pattern | None:
 
 def mindspeed_mask(
     batch_size: int,
-    q_length: int,
     kv_length: int,
-    q_offset: int = 0,
     kv_offset: int = 0,
     mask_function=masking_utils.causal_mask_function,
     attention_mask: torch.Tensor | None = None,
@@ -319,13 +318,15 @@ def mindspeed_mask(
 
     torch / cuda: HF's sdpa_mask. npu: for a causal (optionally sliding, optionally packed) pattern without cache
     offsets, None / the 2-D padding mask (as for flash attention) / HF's packed-sequence ids; anything else gets
-    the SDPA mask, which the attention runs on the torch path.
+    the SDPA mask, which the attention runs on the torch path. The queries arrive as the installed release
+    describes them (`q_length`/`q_offset` or `cache_position`, see compat.mask_query_span) and are passed on as is.
     """
-    args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask)
-    device = kwargs.get("device") or (attention_mask.device if attention_mask is not None else "cpu")
+    args = dict(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
+                attention_mask=attention_mask, **kwargs)
+    q_length, q_offset, device = compat.mask_query_span(kwargs, kv_length)
+    device = device or (attention_mask.device if attention_mask is not None else "cpu")
     if select("attention", device).backend != "npu":
-        return masking_utils.sdpa_mask(**args, **kwargs)
+        return masking_utils.sdpa_mask(**args)
     pattern = _recognise(mask_function)
     plain = (
         pattern is not None
@@ -337,14 +338,14 @@ def mindspeed_mask(
         # Cache offsets, custom patterns, or a model that asked for a materialised mask (it combines it with
         # something else): the SDPA mask, run on the torch path. (Packing also turns the skip off in HF, so
         # only an unpacked batch can tell that request apart.)
-        return masking_utils.sdpa_mask(**args, **kwargs)
+        return masking_utils.sdpa_mask(**args)
     if pattern.packed_ids is not None:
         ids = pattern.packed_ids
         _packed_ids[id(ids)] = ids
         while len(_packed_ids) > _PACKED_KEEP:
             _packed_ids.popitem(last=False)
         return ids
-    return masking_utils.flash_attention_mask(**args, **kwargs)
+    return masking_utils.flash_attention_mask(**args)
 
 
 _MISSING = object()

@@ -8,6 +8,7 @@ says so, so that `report()` shows what really runs.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 from collections.abc import Callable
@@ -34,6 +35,8 @@ class Kernel:
 
 _KERNELS: dict[str, dict[str, Kernel]] = {}
 _backend = {"requested": None}  # set by set_backend(); None = read MINDSPEED_HF_BACKEND on first use
+# The backend of the model that is running now (its own config's), set around its forward by patches/scope.py.
+_running_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("mindspeed_hf_backend", default=None)
 
 
 def _always() -> bool:
@@ -83,7 +86,21 @@ def set_backend(name: str | None) -> None:
     _backend["requested"] = None if name is None else validate_backend_name(name)
 
 
+def use_backend(name: str | None) -> contextvars.Token:
+    """Make `name` (validated by the caller) the backend of the code that runs until `reset_backend(token)`;
+    None: the process one."""
+    return _running_backend.set(name)
+
+
+def reset_backend(token: contextvars.Token) -> None:
+    _running_backend.reset(token)
+
+
 def requested_backend() -> str:
+    """The running model's backend, else the process one (set_backend, or MINDSPEED_HF_BACKEND)."""
+    running = _running_backend.get()
+    if running is not None:
+        return running
     if _backend["requested"] is None:
         _backend["requested"] = validate_backend_name(os.environ.get("MINDSPEED_HF_BACKEND", "auto").lower())
     return _backend["requested"]

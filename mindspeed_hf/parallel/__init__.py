@@ -10,6 +10,7 @@ Small functions, usable from a plain training loop or from the Trainer integrati
     model = apply_fsdp(model, fsdp_mesh(mesh, dims), param_dtype=torch.bfloat16)
 
 or load straight into shards: ``from_pretrained_sharded(path, fsdp_mesh(mesh, dims))``.
+``parallelize(model, dims, config)`` applies the parallel and memory steps in order (parallelize.py).
 Checkpoints: ``save_hf_consolidated`` (HF directory / PEFT adapter), ``save_sharded`` /
 ``load_sharded`` (DCP, atomic ``COMPLETE`` marker) and ``latest_complete_checkpoint``.
 """
@@ -19,10 +20,16 @@ from .checkpoint import (
     capture_rng_state,
     is_complete_checkpoint,
     latest_complete_checkpoint,
+    load_model_shards,
+    load_optimizer_shards,
     load_sharded,
+    mark_complete,
     restore_rng_state,
     save_hf_consolidated,
+    save_model_shards,
+    save_optimizer_shards,
     save_sharded,
+    unmark,
 )
 from .dims import (
     ParallelDims,
@@ -46,6 +53,7 @@ from .loading import (
     local_shard_slices,
     materialize_meta_model,
 )
+from .parallelize import ParallelizeOptions, parallelize, register_step_override
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -65,11 +73,20 @@ __all__ = [
     "load_sharded",
     "load_sharded_safetensors",
     "local_shard_slices",
+    "load_model_shards",
+    "load_optimizer_shards",
     "local_state_bytes",
+    "mark_complete",
     "materialize_meta_model",
+    "ParallelizeOptions",
+    "parallelize",
+    "register_step_override",
     "reshard_model",
     "restore_rng_state",
     "save_hf_consolidated",
+    "save_model_shards",
+    "save_optimizer_shards",
     "save_sharded",
+    "unmark",
     "unwrap_hf_model",
 ]

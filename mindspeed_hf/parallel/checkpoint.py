@@ -38,10 +38,16 @@ __all__ = [
     "capture_rng_state",
     "is_complete_checkpoint",
     "latest_complete_checkpoint",
+    "load_model_shards",
+    "load_optimizer_shards",
     "load_sharded",
+    "mark_complete",
     "restore_rng_state",
     "save_hf_consolidated",
+    "save_model_shards",
+    "save_optimizer_shards",
     "save_sharded",
+    "unmark",
 ]
 
 COMPLETE_MARKER = "COMPLETE"
@@ -88,6 +94,52 @@ def save_hf_consolidated(
 
 
 # ---- sharded (resumable) checkpoints --------------------------------------------------------
+def mark_complete(path: str, **info: Any) -> None:
+    """Write the COMPLETE marker into ``path`` (durably). Call once every rank has finished writing."""
+    marker = os.path.join(path, COMPLETE_MARKER)
+    with open(marker, "w") as f:
+        json.dump({"world_size": dist.get_world_size() if dist.is_initialized() else 1, "time": time.time(),
+                   **info}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def unmark(path: str) -> None:
+    """Remove the COMPLETE marker of ``path`` (before it is written over)."""
+    marker = os.path.join(path, COMPLETE_MARKER)
+    if os.path.exists(marker):
+        os.remove(marker)
+
+
+def save_model_shards(model: nn.Module, path: str) -> None:
+    """This rank's model shards (DCP) into directory ``path`` (collective)."""
+    dcp.save({"model": get_model_state_dict(reshard_model(model))}, checkpoint_id=path)
+
+
+def load_model_shards(model: nn.Module, path: str) -> None:
+    """Read model shards written by :func:`save_model_shards` into the sharded ``model`` (collective; the mesh
+    may differ from the one that wrote them)."""
+    state = {"model": get_model_state_dict(reshard_model(model))}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+
+
+def save_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """This rank's optimizer state shards (DCP) into directory ``path`` (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optim": get_optimizer_state_dict(reshard_model(model), optimizer)}, checkpoint_id=path)
+
+
+def load_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Read optimizer shards written by :func:`save_optimizer_shards` (collective)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optim": get_optimizer_state_dict(reshard_model(model), optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
 def is_complete_checkpoint(path: str) -> bool:
     """True when ``path`` is a finished :func:`save_sharded` directory (has the marker)."""
     return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
@@ -137,7 +189,6 @@ def save_sharded(
     ckpt_dir = os.path.normpath(ckpt_dir)
     staging = ckpt_dir + STAGING_SUFFIX
     rank = _rank()
-    world = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
@@ -147,17 +198,11 @@ def save_sharded(
     torch.save(extra_state or {}, os.path.join(staging, _EXTRA.format(rank)))
     _barrier()
     if rank == 0:
-        if os.path.exists(ckpt_dir):  # overwrite: un-mark the old one first, so a crash
-            marker = os.path.join(ckpt_dir, COMPLETE_MARKER)  # never leaves a marked mix
-            if os.path.exists(marker):
-                os.remove(marker)
+        if os.path.exists(ckpt_dir):  # overwrite: un-mark the old one first, so a crash never leaves a marked mix
+            unmark(ckpt_dir)
             shutil.rmtree(ckpt_dir)
         os.replace(staging, ckpt_dir)
-        marker = os.path.join(ckpt_dir, COMPLETE_MARKER)
-        with open(marker, "w") as f:
-            json.dump({"world_size": world, "time": time.time()}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        mark_complete(ckpt_dir)
     _barrier()
     return ckpt_dir
 
@@ -193,7 +238,7 @@ def load_sharded(
     path = os.path.join(ckpt_dir, _EXTRA.format(_rank()))
     if not os.path.isfile(path):
         path = os.path.join(ckpt_dir, _EXTRA.format(0))
-    extra = torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else {}
+    extra = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else {}
     _barrier()
     return extra
 
@@ -205,7 +250,8 @@ def capture_rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
     except ImportError:  # pragma: no cover
         pass
     for dev in ("cuda", "npu"):
@@ -224,7 +270,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     for dev in ("cuda", "npu"):
         mod = getattr(torch, dev, None)
         if dev in state and mod is not None:

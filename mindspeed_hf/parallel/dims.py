@@ -76,7 +76,7 @@ def init_distributed(
         if device_type == "cuda":  # binds the NCCL communicator eagerly; hccl takes set_device
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
-    _destroy_at_exit()
+        _destroy_at_exit()  # only a group we created: the caller's own group is theirs to shut down
     return device
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, register_attention, unregister_attention
-from . import forwards
+from . import forwards, scope
 from .engine import PatchSet
 from .families import FAMILIES, ModelFamily
 
@@ -25,7 +25,7 @@ logger = logging.getLogger("mindspeed_hf")
 _OPS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy")
 
 _patches = PatchSet()
-_state: dict[str, Any] = {"config": None, "warned_types": set()}
+_state: dict[str, Any] = {"config": None, "explicit": None, "warned_types": set()}
 # Models whose attention may point at our kernel: disable() switches them back to sdpa.
 _models: weakref.WeakSet = weakref.WeakSet()
 
@@ -38,12 +38,16 @@ def _modeling(family: ModelFamily):
 
 
 def _attention_default(original):
-    """Wrap XPreTrainedModel.get_correct_attn_implementation: the default (sdpa) becomes our kernel."""
+    """Wrap XPreTrainedModel.get_correct_attn_implementation: the default (no request) becomes our kernel when the
+    current config has attention on; an explicit request ("sdpa", "eager", ...) is kept and remembered."""
 
     @functools.wraps(original)
     def get_correct_attn_implementation(self, requested_attention=None, is_init_check=False):
-        if requested_attention in (None, "sdpa") and self._supports_sdpa:
-            requested_attention = ATTENTION_NAME
+        if requested_attention is None:
+            if scope.kernel_on("attention") and self._supports_sdpa:
+                requested_attention = ATTENTION_NAME
+        elif requested_attention != ATTENTION_NAME:
+            self._mindspeed_explicit_attention = requested_attention
         return original(self, requested_attention, is_init_check)
 
     return get_correct_attn_implementation
@@ -62,62 +66,57 @@ def _announce_on_init(original):
     return post_init
 
 
-def _patch_family(family: ModelFamily, config: MindSpeedConfig) -> None:
+def _switch_method(owner: Any, name: str, op: str, fast: Any) -> None:
+    """owner.name -> `fast` while the current config has `op` on, the original otherwise."""
+    if not _patches.is_patched(owner, name):
+        _patches.set(owner, name, scope.switch(op, fast, getattr(owner, name)))
+
+
+def _patch_family(family: ModelFamily) -> None:
+    """Patch every op of the family; each patched site asks the current config whether its op is on."""
     module = _modeling(family)
     if module is None:
         return
-    kernels = config.kernels
-    if kernels.rms_norm:
-        norm_forward = forwards.offset_rms_norm_forward if family.offset_rms_norm else forwards.rms_norm_forward
-        for name in family.rms_norm:
-            _patches.set(getattr(module, name), "forward", norm_forward)
-    if kernels.swiglu:
-        for names, make in ((family.swiglu_mlp, forwards.swiglu_mlp_forward),
-                            (family.packed_swiglu_mlp, forwards.packed_swiglu_mlp_forward)):
-            for name in names:
-                cls = getattr(module, name)
-                if not _patches.is_patched(cls, "forward"):
-                    _patches.set(cls, "forward", make(cls.forward))
-    if kernels.rope and family.rope:
-        _patches.set(module, "apply_rotary_pos_emb", forwards.rope_function)
+    norm_forward = forwards.offset_rms_norm_forward if family.offset_rms_norm else forwards.rms_norm_forward
+    for name in family.rms_norm:
+        _switch_method(getattr(module, name), "forward", "rms_norm", norm_forward)
+    for names, make in ((family.swiglu_mlp, forwards.swiglu_mlp_forward),
+                        (family.packed_swiglu_mlp, forwards.packed_swiglu_mlp_forward)):
+        for name in names:
+            cls = getattr(module, name)
+            _switch_method(cls, "forward", "swiglu", make(cls.forward))
+    if family.rope:
+        _switch_method(module, "apply_rotary_pos_emb", "rope", forwards.rope_function)
     pretrained = getattr(module, family.pretrained)
-    if kernels.attention and not _patches.is_patched(pretrained, "get_correct_attn_implementation"):
+    if not _patches.is_patched(pretrained, "get_correct_attn_implementation"):
         _patches.set(pretrained, "get_correct_attn_implementation",
                      _attention_default(pretrained.get_correct_attn_implementation))
     if not _patches.is_patched(pretrained, "post_init"):
         _patches.set(pretrained, "post_init", _announce_on_init(pretrained.post_init))
-    if kernels.fused_linear_cross_entropy:
-        from . import causal_lm
+    from . import causal_lm
 
-        forward = forwards.tag("fused_linear_cross_entropy", causal_lm.causal_lm_forward)
-        for name in family.causal_lm:
-            _patches.set(getattr(module, name), "forward", forward)
+    for name in family.causal_lm:
+        _switch_method(getattr(module, name), "forward", "fused_linear_cross_entropy", causal_lm.causal_lm_forward)
 
 
 def enable(config: MindSpeedConfig | None = None) -> None:
-    """Patch every supported family for the kernels `config` enables (default: MINDSPEED_HF_CONFIG / defaults).
-
-    Idempotent; enabling again with another config first restores the originals.
-    """
+    """Patch every supported family and make `config` the process config (default: resolved from
+    MINDSPEED_HF_CONFIG, the MINDSPEED_HF_* variables and the defaults): the settings of every model that was not
+    given its own (a trainer gives its model the trainer's config). Idempotent; enabling again with another config
+    only changes the process config."""
     from ..config import load_config
 
+    _state["explicit"] = config
     config = config or load_config()
-    if _state["config"] is not None:
-        if _state["config"] == config:
-            return
-        disable()
     registry.set_backend(config.backend)  # validated here, before any model is touched
-    if config.kernels.attention:
+    scope.set_process_config(config)
+    if _state["config"] is None:
         register_attention()
-    if config.kernels.fused_linear_cross_entropy:
-        from . import causal_lm
+        for family in FAMILIES.values():
+            _patch_family(family)
+        from ..trainers import wiring
 
-        causal_lm.configure(enabled=True, chunk_size=config.kernels.loss_chunk_size)
-    for family in FAMILIES.values():
-        _patch_family(family, config)
-    from ..trainers import wiring
-
-    wiring.install_trainer_wiring()
+        wiring.install_trainer_wiring()
     _state["config"] = config
 
 
@@ -132,17 +131,25 @@ def disable() -> None:
     for model in list(_models):
         if model.config._attn_implementation == ATTENTION_NAME:
             model.set_attn_implementation("sdpa")
+        scope.detach(model)
     _models.clear()
     unregister_attention()
     registry.set_backend(None)
-    _state["config"] = None
+    scope.set_process_config(None)
+    _state["config"] = _state["explicit"] = None
 
 
 def is_enabled() -> bool:
     return _state["config"] is not None
 
 
+def explicit_process_config() -> MindSpeedConfig | None:
+    """The config enable() was given as an argument (None when it resolved its own)."""
+    return _state["explicit"]
+
+
 def active_config() -> MindSpeedConfig | None:
+    """The process config (what enable() was called with), None while disabled."""
     return _state["config"]
 
 
@@ -161,14 +168,13 @@ def family_of(model: nn.Module) -> ModelFamily | None:
 
 
 def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> dict[str, Any]:
-    """Accelerate an existing model (also PEFT-wrapped): patch its family if not yet, switch its attention to our
-    kernel (from the default sdpa), log one line, and return report(model). Unsupported models run unaccelerated
-    with one warning per model type."""
+    """Accelerate an existing model (also PEFT-wrapped) with `config` (default: the process config): patch the
+    families if not yet, attach the config to the model (it applies whenever this model runs, whatever other
+    models use), make the attention ours unless it was requested explicitly, log one line, and return
+    report(model). Unsupported models run unaccelerated with one warning per model type."""
+    if not is_enabled():
+        enable()
     config = config or _state["config"]
-    if config is None:
-        from ..config import load_config
-
-        config = load_config()
     hf_model = find_hf_model(model)
     family = family_of(model)
     if family is None:
@@ -178,11 +184,15 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
             logger.warning("mindspeed_hf: model type %r is not supported; it runs unaccelerated (supported: %s)",
                            model_type, ", ".join(sorted(FAMILIES)))
         return report(model)
-    if not is_enabled():
-        enable(config)
-    if config.kernels.attention and hf_model.config._attn_implementation == "sdpa":
-        hf_model.set_attn_implementation(ATTENTION_NAME)
-        _models.add(hf_model)
+    scope.attach(hf_model, config)
+    _models.add(hf_model)
+    current = hf_model.config._attn_implementation
+    if getattr(hf_model, "_mindspeed_explicit_attention", None) is None:
+        if config.kernels.attention and current == "sdpa":
+            hf_model.set_attn_implementation(ATTENTION_NAME)
+        elif not config.kernels.attention and current == ATTENTION_NAME:
+            hf_model.set_attn_implementation("sdpa")
+        hf_model.__dict__.pop("_mindspeed_explicit_attention", None)  # set_attn_implementation is ours, not theirs
     result = report(model)
     _announce(hf_model, result)
     return result
@@ -206,24 +216,37 @@ def report(model: nn.Module) -> dict[str, Any]:
     hf_model = find_hf_model(model)
     family = family_of(model)
     counts = dict.fromkeys(_OPS, 0)
-    if family is not None:
+    kept: dict[str, str] = {}
+    config = scope.config_of(hf_model) if hf_model is not None else None
+    if family is not None and is_enabled():
         module = _modeling(family)
-        rope_patched = getattr(module, "apply_rotary_pos_emb", None) is forwards.rope_function
-        attention_ours = hf_model.config._attn_implementation == ATTENTION_NAME
+        on = {op: bool(getattr(config.kernels, op)) for op in _OPS}
+        rope_patched = getattr(getattr(module, "apply_rotary_pos_emb", None), "_mindspeed_op", None) == "rope"
+        attention = hf_model.config._attn_implementation
+        explicit = getattr(hf_model, "_mindspeed_explicit_attention", None)
+        if explicit is not None and attention != ATTENTION_NAME:
+            kept["attention"] = f"{attention} (requested explicitly)"
         for sub in hf_model.modules():
             forward = vars(sub).get("forward", type(sub).forward)
             op = getattr(forward, "_mindspeed_op", None)
             if op is not None:
-                counts[op] += 1
+                counts[op] += on[op]
             if type(sub).__name__ == family.attention:
-                counts["rope"] += rope_patched
-                counts["attention"] += attention_ours
-    return {
-        "model_type": getattr(getattr(hf_model, "config", None), "model_type", None),
-        "backend": registry.resolve_backend(device),
-        "kernels": counts,
-        "implementations": {op: registry.implementation(op, device) for op in _OPS if op in registry.registered_ops()},
-    }
+                counts["rope"] += rope_patched and on["rope"]
+                counts["attention"] += attention == ATTENTION_NAME
+    token = registry.use_backend(None if config is None or config.backend == "auto" else config.backend)
+    try:
+        return {
+            "model_type": getattr(getattr(hf_model, "config", None), "model_type", None),
+            "backend": registry.resolve_backend(device),
+            "kernels": counts,
+            "implementations": {op: registry.implementation(op, device) for op in _OPS
+                                if op in registry.registered_ops()},
+            "attention_implementation": getattr(getattr(hf_model, "config", None), "_attn_implementation", None),
+            "kept": kept,
+        }
+    finally:
+        registry.reset_backend(token)
 
 
 def _announce(model: nn.Module, result: dict[str, Any]) -> None:

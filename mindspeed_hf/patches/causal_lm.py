@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
+from .. import compat
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
 
@@ -84,30 +84,26 @@ def _softcap(config) -> float | None:
     return float(cap) if cap else None
 
 
-@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-@can_return_tuple
-def causal_lm_forward(
+def _forward(
     self,
-    input_ids: torch.LongTensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    cache=None,
-    inputs_embeds: torch.Tensor | None = None,
-    labels: torch.LongTensor | None = None,
-    use_cache: bool | None = None,
-    logits_to_keep: int | torch.Tensor = 0,
-    skip_logits: bool | None = None,
-    **kwargs,
+    input_ids: torch.LongTensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.LongTensor | None,
+    cache,
+    inputs_embeds: torch.Tensor | None,
+    labels: torch.LongTensor | None,
+    use_cache: bool | None,
+    logits_to_keep: int | torch.Tensor,
+    skip_logits: bool | None,
+    kwargs: dict,
+    model_only: dict,
 ) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
-    """Drop-in `XForCausalLM.forward` (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, gemma,
-    gemma2, gemma3 text, phi3): same arguments and outputs as HF's, plus `skip_logits`.
-
-    While training with labels (and `skip_logits` not False) the loss is computed by the chunked fused linear
-    cross-entropy and `logits` is None; otherwise the logits are real and the loss is HF's own.
-    """
+    """The body of `causal_lm_forward` for either release's signature. `cache` is the KV cache (`cache` in 5.x,
+    `past_key_values` in 4.57); `model_only` holds what the backbone takes but the loss must not see (4.57's
+    `cache_position`)."""
     config = self.config
     moe = _is_moe(self)
-    model_kwargs = dict(kwargs)
+    model_kwargs = {**kwargs, **model_only}
     output_router_logits = False
     if moe:
         output_router_logits = kwargs.get("output_router_logits")
@@ -119,12 +115,12 @@ def causal_lm_forward(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        cache=cache,
         inputs_embeds=inputs_embeds,
         use_cache=use_cache,
-        **model_kwargs,
+        **{compat.CACHE_NAME: cache},
+        **compat.accepted_kwargs(self.model, model_kwargs),
     )
-    hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+    hidden_states = compat.slice_to_keep(outputs.last_hidden_state, logits_to_keep)
     lm_head = getattr(self, "lm_head", None)
     if lm_head is None:
         lm_head = self.get_output_embeddings()
@@ -161,7 +157,7 @@ def causal_lm_forward(
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            cache=outputs.cache,
+            **{compat.CACHE_NAME: compat.cache_of(outputs)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
@@ -177,8 +173,60 @@ def causal_lm_forward(
         loss=loss,
         aux_loss=aux_loss,
         logits=logits,
-        cache=outputs.cache,
+        **{compat.CACHE_NAME: compat.cache_of(outputs)},
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
         router_logits=outputs.router_logits,
     )
+
+
+_DOC = """Drop-in `XForCausalLM.forward` (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, gemma, gemma2,
+gemma3 text, phi3): the same arguments and outputs as the installed release's HF forward, plus `skip_logits`.
+
+While training with labels (and `skip_logits` not False) the loss is computed by the chunked fused linear
+cross-entropy and `logits` is None; otherwise the logits are real and the loss is HF's own.
+"""
+
+if compat.CACHE_NAME == "cache":  # transformers >= 5: `cache`, with `past_key_values` as the deprecated alias
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def causal_lm_forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        skip_logits: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
+        return _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache,
+                        logits_to_keep, skip_logits, kwargs, {})
+
+else:  # transformers 4.57: `past_key_values`, and `cache_position` for the backbone
+
+    @can_return_tuple
+    def causal_lm_forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        cache_position: torch.LongTensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        skip_logits: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
+        model_only = {} if cache_position is None else {"cache_position": cache_position}
+        return _forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels,
+                        use_cache, logits_to_keep, skip_logits, kwargs, model_only)
+
+
+causal_lm_forward.__doc__ = _DOC

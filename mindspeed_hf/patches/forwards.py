@@ -5,11 +5,13 @@ function carries `_mindspeed_op` so report() can count what really runs."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
+from .. import compat
 from ..ops.rms_norm import rms_norm
 from ..ops.rotary import apply_rotary_pos_emb
 from ..ops.swiglu import swiglu, swiglu_packed
@@ -53,6 +55,12 @@ def packed_swiglu_mlp_forward(original: Callable) -> Callable:
     return tag("swiglu", forward)
 
 
+def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any,
+                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The modeling modules' `apply_rotary_pos_emb`, with every signature they have (see compat.rope_unsqueeze_dim)."""
+    return apply_rotary_pos_emb(q, k, cos, sin, compat.rope_unsqueeze_dim(args, kwargs))
+
+
 tag("rms_norm", rms_norm_forward)
 tag("rms_norm", offset_rms_norm_forward)
-rope_function = tag("rope", apply_rotary_pos_emb)
+rope_function = tag("rope", rope_forward)

@@ -1,122 +1,118 @@
-"""MindSpeedTrainingArguments: TrainingArguments plus typed fields for the accelerator.
+"""MindSpeedTrainingArguments: TrainingArguments plus one `mindspeed_<key>` field per accelerator setting.
 
-Every field is a dataclass field with help text, so HfArgumentParser turns them into CLI flags
-(`--mindspeed_rope false`, `--mindspeed_recompute`) and reads them from YAML/JSON like any HF argument class.
-The accelerator config is built and validated in __post_init__, so a bad value fails before any model is built.
+The fields are generated from the settings declared in mindspeed_hf.config, so a new setting is a new flag
+(`--mindspeed_rope false`, `--mindspeed_recompute`) without being written here. Every field defaults to None,
+"not set": the setting then comes from the lower layers (MINDSPEED_HF_* variables, the YAML file, the accelerate
+launch environment, the defaults); a field that is set wins over all of them (see mindspeed_hf.config.resolve).
+The config is resolved and validated in __post_init__, so a bad value fails when the arguments are parsed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import field
 from typing import Any
 
 from transformers import TrainingArguments
 
-from ..config import MindSpeedConfig, load_config
-from ..ops.registry import BACKEND_CHOICES
+from ..config import Layer, MindSpeedConfig, ResolvedConfig, Setting, resolve, settings
 
-# Field name on the arguments -> (config section, key). The order is the order of the config dataclasses.
-_FIELD_TO_CONFIG: dict[str, tuple[str | None, str]] = {
-    "mindspeed_backend": (None, "backend"),
-    "mindspeed_rms_norm": ("kernels", "rms_norm"),
-    "mindspeed_rope": ("kernels", "rope"),
-    "mindspeed_swiglu": ("kernels", "swiglu"),
-    "mindspeed_attention": ("kernels", "attention"),
-    "mindspeed_fused_linear_cross_entropy": ("kernels", "fused_linear_cross_entropy"),
-    "mindspeed_loss_chunk_size": ("kernels", "loss_chunk_size"),
-    "mindspeed_dp_replicate": ("parallel", "dp_replicate"),
-    "mindspeed_dp_shard": ("parallel", "dp_shard"),
-    "mindspeed_cp": ("parallel", "cp"),
-    "mindspeed_ep": ("parallel", "ep"),
-    "mindspeed_reshard_after_forward": ("parallel", "reshard_after_forward"),
-    "mindspeed_cpu_offload": ("parallel", "cpu_offload"),
-    "mindspeed_prefetch": ("parallel", "prefetch"),
-    "mindspeed_recompute": ("memory", "recompute"),
-}
+ARGUMENTS_SOURCE = "training arguments (mindspeed_*)"
 
 
-def _kernel_help(op: str) -> dict[str, Any]:
-    return {"help": f"mindspeed_hf: use the fused {op} kernel (false keeps the model's own code for it)."}
+def _flag(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on", "full_shard")
 
 
-@dataclass
-class MindSpeedTrainingArguments(TrainingArguments):
-    """TrainingArguments with the mindspeed_hf accelerator settings (kernels, parallel sizes, memory)."""
+def hf_fsdp_layer(args: TrainingArguments) -> Layer:
+    """What plain TrainingArguments state about our settings: `fsdp_config` (version 2: reshard_after_forward;
+    cpu_offload, activation_checkpointing) and `parallelism_config` sizes."""
+    values: dict[str, Any] = {}
+    plugin = getattr(args, "fsdp_plugin_args", None)
+    if getattr(args, "fsdp", None) and plugin is not None and int(plugin.get("fsdp_version", 2)) == 2:
+        stated = getattr(args, "fsdp_config", None) or {}
+        if stated.get("reshard_after_forward") is not None:  # HF fills a default in; only a stated one counts
+            values["parallel.reshard_after_forward"] = _flag(stated["reshard_after_forward"])
+        if _flag(plugin.get("cpu_offload", False)):
+            values["parallel.cpu_offload"] = True
+        if _flag(plugin.get("activation_checkpointing", False)):
+            values["memory.recompute"] = True
+    pc = getattr(args, "parallelism_config", None)
+    if pc is not None:
+        for ours, theirs in (("dp_replicate", "dp_replicate_size"), ("dp_shard", "dp_shard_size"), ("cp", "cp_size")):
+            size = getattr(pc, theirs, None)
+            if size is not None:
+                values[f"parallel.{ours}"] = int(size)
+    return Layer("TrainingArguments (fsdp_config / parallelism_config)", values)
 
-    mindspeed_backend: str = field(
-        default="auto",
-        metadata={
-            "help": "mindspeed_hf kernel backend: auto follows the tensors' device; torch, npu or cuda force one. "
-            "MINDSPEED_HF_BACKEND overrides it.",
-            "choices": list(BACKEND_CHOICES),
-        },
-    )
-    mindspeed_rms_norm: bool = field(default=True, metadata=_kernel_help("RMSNorm"))
-    mindspeed_rope: bool = field(default=True, metadata=_kernel_help("rotary position embedding"))
-    mindspeed_swiglu: bool = field(default=True, metadata=_kernel_help("SwiGLU MLP"))
-    mindspeed_attention: bool = field(default=True, metadata=_kernel_help("attention"))
-    mindspeed_fused_linear_cross_entropy: bool = field(
-        default=True,
-        metadata={"help": "mindspeed_hf: chunked causal-LM loss that never holds the full [tokens, vocab] logits."},
-    )
-    mindspeed_loss_chunk_size: int = field(
-        default=0, metadata={"help": "mindspeed_hf: tokens per chunk of the fused loss; 0 picks one automatically."}
-    )
-    mindspeed_dp_replicate: int = field(
-        default=1, metadata={"help": "mindspeed_hf: data-parallel replicas (HSDP outer dimension)."}
-    )
-    mindspeed_dp_shard: int = field(
-        default=-1, metadata={"help": "mindspeed_hf: FSDP2 shard group size; -1 takes what the other sizes leave."}
-    )
-    mindspeed_cp: int = field(default=1, metadata={"help": "mindspeed_hf: context-parallel size."})
-    mindspeed_ep: int = field(default=1, metadata={"help": "mindspeed_hf: expert-parallel size (MoE models)."})
-    mindspeed_reshard_after_forward: bool = field(
-        default=True, metadata={"help": "mindspeed_hf: FSDP2 frees gathered parameters after each forward."}
-    )
-    mindspeed_cpu_offload: bool = field(
-        default=False, metadata={"help": "mindspeed_hf: FSDP2 keeps sharded parameters in host memory."}
-    )
-    mindspeed_prefetch: int = field(
-        default=1, metadata={"help": "mindspeed_hf: FSDP2 layers whose parameters are gathered ahead."}
-    )
-    mindspeed_recompute: bool = field(
-        default=False,
-        metadata={"help": "mindspeed_hf: recompute activations in backward (non-reentrant activation checkpointing)."},
-    )
+
+def resolve_for(args: TrainingArguments | None, base: MindSpeedConfig | None = None) -> ResolvedConfig:
+    """The accelerator config for a trainer given `args`: its set mindspeed_* fields and its FSDP settings as
+    explicit layers, over `base` (a config given to enable()) or else the environment / YAML / defaults."""
+    explicit = []
+    if args is not None:
+        explicit.append(hf_fsdp_layer(args))
+        if isinstance(args, _MindSpeedFields):
+            explicit.append(args.mindspeed_layer())
+    return resolve(explicit, base=base)
+
+
+class _MindSpeedFields:
+    """Methods of MindSpeedTrainingArguments (its fields are generated below)."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        super().__post_init__()  # type: ignore[misc]
         # Validate now: a bad value must fail when the arguments are parsed, not after the model is built.
         self.mindspeed_config()
 
-    def mindspeed_config_dict(self) -> dict[str, Any]:
-        """The accelerator settings of these arguments as a nested config dict (see mindspeed_hf.config)."""
-        data: dict[str, Any] = {"kernels": {}, "parallel": {}, "memory": {}}
-        for name, (section, key) in _FIELD_TO_CONFIG.items():
-            value = getattr(self, name)
-            if section is None:
-                data[key] = value.lower() if isinstance(value, str) else value
-            else:
-                data[section][key] = value
-        return data
+    def mindspeed_layer(self) -> Layer:
+        """The mindspeed_* fields that were set, as setting path -> value."""
+        values = {}
+        for setting in settings():
+            value = getattr(self, setting.argument)
+            if value is not None:
+                values[setting.path] = value.lower() if setting.key == "backend" else value
+        return Layer(ARGUMENTS_SOURCE, values)
 
-    def mindspeed_config(self) -> MindSpeedConfig:
-        """Build and validate the MindSpeedConfig these arguments describe (MINDSPEED_HF_BACKEND still wins)."""
+    def mindspeed_resolved(self) -> ResolvedConfig:
+        """The config these arguments give, with where each setting came from."""
         try:
-            return load_config(self.mindspeed_config_dict())
+            return resolve_for(self)  # type: ignore[arg-type]
         except ValueError as err:
             # Name the argument the user actually set, not only the config key behind it.
             raise ValueError(f"invalid mindspeed_* training argument: {err}") from err
 
+    def mindspeed_config(self) -> MindSpeedConfig:
+        """Build and validate the MindSpeedConfig these arguments describe."""
+        return self.mindspeed_resolved().config
+
     @classmethod
     def config_fields(cls) -> dict[str, tuple[str | None, str]]:
         """Map of argument name -> (config section or None for top level, config key)."""
-        return dict(_FIELD_TO_CONFIG)
+        return {s.argument: (s.section, s.key) for s in settings()}
 
     @classmethod
     def fields_from_config(cls, config: MindSpeedConfig) -> dict[str, Any]:
         """The mindspeed_* keyword arguments that reproduce `config` (used by the CLI's YAML runs)."""
-        out: dict[str, Any] = {}
-        for name, (section, key) in _FIELD_TO_CONFIG.items():
-            out[name] = getattr(config if section is None else getattr(config, section), key)
-        return out
+        return {s.argument: getattr(config if s.section is None else getattr(config, s.section), s.key)
+                for s in settings()}
+
+
+def _argument(setting: Setting) -> tuple[str, type, Any]:
+    metadata: dict[str, Any] = {"help": f"mindspeed_hf: {setting.help} (default {setting.default!r}; also "
+                                        f"{setting.env}, or {setting.path} in MINDSPEED_HF_CONFIG)"}
+    if setting.choices:
+        metadata["choices"] = list(setting.choices)
+    # Annotated with the plain type so HfArgumentParser keeps bare boolean flags (`--mindspeed_recompute`);
+    # None means "not set here".
+    return setting.argument, setting.type, field(default=None, metadata=metadata)
+
+
+MindSpeedTrainingArguments = dataclasses.make_dataclass(
+    "MindSpeedTrainingArguments",
+    [_argument(s) for s in settings()],
+    bases=(_MindSpeedFields, TrainingArguments),
+    namespace={"__module__": __name__,
+               "__doc__": "TrainingArguments with the mindspeed_hf accelerator settings (kernels, parallel sizes, "
+                          "memory): one `mindspeed_<key>` field per setting of mindspeed_hf.config."},
+)

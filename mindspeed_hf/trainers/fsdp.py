@@ -1,15 +1,15 @@
 """FSDP2 inside transformers.Trainer: the accelerator builds the mesh and shards the model itself.
 
 Plain Trainer hands FSDP to accelerate, which on CPU silently falls back to DDP and refuses DTensor parameters
-on any multi-device run. So when FSDP is asked for (TrainingArguments `fsdp` + `fsdp_config` version 2, the
-environment `accelerate launch` exports for an FSDP2 config, or non-default mindspeed_hf parallel sizes):
+on any multi-device run. So when FSDP is asked for (fsdp_plan.py reads every source of the request, before any
+work), the trainer's prepare hook builds ParallelDims + mesh (`build_dims`) and `parallel.parallelize` shards the
+model. Trainer's own code then runs with our pieces around it, through the seams listed in seams.py:
 
-1. `resolve_plan` (fsdp_plan.py) reads every source once, before any work, and fails on contradictions;
-2. `shard_model` (in the trainer's prepare hook) builds ParallelDims + mesh and applies FSDP2;
-3. the `OVERRIDES` below replace the Trainer methods that would wrap the model again or save/load it as one
-   tensor per parameter: the accelerator is created without accelerate's FSDP plugin (and on CPU told the real
-   world size), Trainer takes its "model already sharded" path (`is_distributed_loading_by_transformers`), and
-   checkpoints are atomic DCP directories (`parallel.save_sharded`).
+- the accelerator is created without accelerate's FSDP plugin (and on CPU told the real world size), and keeps
+  the sharded model as it is (no DDP, no second sharding);
+- checkpoints are Trainer's own `_save_checkpoint` (trainer state, RNG, scaler, rotation, best model): the model
+  and optimizer go in as DCP shards (`pytorch_model_fsdp_0/`, `optimizer_0/`, accelerate's names), and once every
+  rank is done the directory gets its COMPLETE marker; resume and best-model loading read the shards back.
 
 MindSpeedTrainer and the wiring of plain Trainer both call `dispatch`, so there is one implementation.
 """
@@ -17,9 +17,9 @@ MindSpeedTrainer and the wiring of plain Trainer both call `dispatch`, so there 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,14 +30,16 @@ from torch import nn
 
 from .. import parallel
 from ..device import detect_device_type
-from ..parallel.checkpoint import COMPLETE_MARKER, STAGING_SUFFIX
+from ..parallel.checkpoint import COMPLETE_MARKER
+from . import seams
 from .fsdp_plan import FsdpPlan, resolve_plan, world_size_from
 
-__all__ = ["FsdpPlan", "FsdpState", "dispatch", "resolve_plan", "shard_model"]
+__all__ = ["FsdpPlan", "FsdpState", "build_dims", "dispatch", "resolve_plan"]
 
 logger = logging.getLogger("mindspeed_hf")
 # Environment switches that make accelerate build its own FSDP plugin / mesh (masked while our accelerator is made).
 _ACCELERATE_SWITCHES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG")
+MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
 
 
 @dataclass
@@ -46,117 +48,102 @@ class FsdpState:
 
     plan: FsdpPlan
     dims: parallel.ParallelDims
-    mesh: Any
     device_type: str
 
 
 # ---------------------------------------------------------------------------------------------- sharding
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t)
-    return bool(t.item())
-
-
-def _low_precision(args: Any) -> torch.dtype | None:
+def low_precision(args: Any) -> torch.dtype | None:
+    """The run's bf16/fp16 mixed precision (TrainingArguments, or accelerate launch's environment)."""
     mixed = getattr(args, "mixed_precision", None) or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed).lower())
 
 
-def _broadcast_from_rank0(model: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device) -> None:
-    """cpu_ram_efficient_loading: only rank 0 loaded the weights (the others hold meta/empty tensors)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
-        model.to_empty(device=device)
-    set_model_state_dict(model, full or {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for buffer in model.buffers():  # non-persistent buffers (rotary inv_freq) are not in any state dict
-        dist.broadcast(buffer.data, src=0)
-
-
-def shard_model(trainer: Any, model: nn.Module) -> nn.Module:
-    """Init the process group, build the mesh and shard `model` in place with FSDP2 (collective)."""
+def build_dims(trainer: Any) -> parallel.ParallelDims:
+    """Init the process group and build the named mesh for the trainer's plan (collective)."""
     plan: FsdpPlan = trainer._mindspeed_fsdp_plan
     device_type = detect_device_type()
-    device = parallel.init_distributed(device_type)
+    parallel.init_distributed(device_type)
     dims = parallel.ParallelDims(plan.dp_replicate, plan.dp_shard, plan.cp, plan.ep, world_size=dist.get_world_size())
-    mesh = dims.build_mesh(device_type)
-    if plan.activation_checkpointing and not trainer._mindspeed_config.memory.recompute:
-        from ..memory import enable_recompute
+    dims.build_mesh(device_type)
+    trainer._mindspeed_fsdp = FsdpState(plan, dims, device_type)
+    return dims
 
-        enable_recompute(model)
-    param_dtype = _low_precision(trainer._mindspeed_args)
-    if param_dtype is not None:  # sharded master weights stay fp32; FSDP casts them for compute
-        for p in model.parameters():
-            if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
-                p.data = p.data.float()
-    sync = plan.cpu_ram_efficient_loading or _any_rank(any(p.is_meta for p in model.parameters()), device)
-    full = model.state_dict() if sync and dist.get_rank() == 0 else None
-    parallel.apply_fsdp(model, parallel.fsdp_mesh(mesh, dims), param_dtype=param_dtype, reduce_dtype=torch.float32,
-                        reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
-                        prefetch=plan.prefetch, layer_classes=plan.layer_classes)
-    if sync:
-        _broadcast_from_rank0(model, full, device)
-    # transformers' own FSDP2 marker: generate() then keeps the ranks in step (synced_gpus), and Trainer's
-    # gradient-accumulation path defers the reduction (see _defer_reduction).
-    for module in {id(m): m for m in (model, parallel.unwrap_hf_model(model))}.values():
-        module._is_fsdp_managed_module = True
-    if callable(getattr(model, "generate", None)):
-        from torch.distributed.fsdp import register_fsdp_forward_method
 
-        register_fsdp_forward_method(model, "generate")
-    trainer._mindspeed_fsdp = FsdpState(plan, dims, mesh, device_type)
+def mark_sharded(trainer: Any, model: nn.Module) -> None:
+    """After parallelize: tell Trainer the model owns its placement and gradient reduction (5.x reads this from
+    the model it is given), and log what was built."""
+    state: FsdpState = trainer._mindspeed_fsdp
+    if seams.available("is_distributed_loading_by_transformers"):
+        model.is_distributed_loading_by_transformers = True
+    p = trainer._mindspeed_config.parallel
     logger.info("mindspeed_hf: FSDP2 on %s (requested by %s): dp_replicate=%d dp_shard=%d, reshard_after_forward=%s,"
-                " cpu_offload=%s, param dtype %s", device_type, "; ".join(plan.sources), dims.dp_replicate,
-                dims.dp_shard, plan.reshard_after_forward, plan.cpu_offload, param_dtype or "as stored")
-    return model
+                " cpu_offload=%s, param dtype %s", state.device_type, "; ".join(state.plan.sources),
+                state.dims.dp_replicate, state.dims.dp_shard, p.reshard_after_forward, p.cpu_offload,
+                low_precision(trainer._mindspeed_args) or "as stored")
 
 
 def check_after_init(trainer: Any) -> None:
-    """Once Trainer.__init__ is done: take Trainer's "already sharded" path; refuse a pre-built optimizer."""
+    """Once Trainer.__init__ is done: refuse an optimizer built on the unsharded parameters."""
     if getattr(trainer, "_mindspeed_fsdp_plan", None) is None:
         return
     if trainer.optimizer is not None or trainer.lr_scheduler is not None:
         raise ValueError("mindspeed_hf FSDP2: `optimizers` passed to Trainer were built on the unsharded "
                          "parameters; let Trainer create them (or override create_optimizer)")
-    # The model owns placement and gradient reduction: Trainer must not hand it to DDP or to accelerate's FSDP.
-    trainer.is_distributed_loading_by_transformers = True
 
 
 # ---------------------------------------------------------------------------------------------- accelerate
-def _align_accelerate_state(args: Any) -> None:
-    """On CPU accelerate counts torchrun's processes only with use_cpu; without that each rank would train on
-    the whole batch alone. Set it and redo the device setup (the process group itself is kept)."""
+@contextlib.contextmanager
+def _world_visible_to_accelerate(args: Any) -> Iterator[None]:
+    """On CPU accelerate counts torchrun's processes only with use_cpu; without it each rank would train on the
+    whole batch alone. Redo the device setup with it (the process group itself is kept), then give the user's
+    value back, so the arguments saved in checkpoints are the ones they wrote."""
     world = world_size_from(os.environ)
     if world <= 1 or args.world_size == world:
+        yield
         return
     if detect_device_type() != "cpu":
         raise RuntimeError(f"mindspeed_hf FSDP2: accelerate sees {args.world_size} process(es), torch.distributed "
                            f"{world}")
+    given = args.use_cpu
     args.use_cpu = True
     args.__dict__.pop("_setup_devices", None)  # a cached_property: recompute it
-    args._setup_devices  # noqa: B018
-    if args.world_size != world:
-        raise RuntimeError(f"mindspeed_hf FSDP2: accelerate still sees {args.world_size} processes, not {world}")
+    try:
+        if args.world_size != world:
+            raise RuntimeError(f"mindspeed_hf FSDP2: accelerate still sees {args.world_size} processes, not {world}")
+        yield
+    finally:
+        args.use_cpu = given
+
+
+def _keep_sharded(prepare_model: Callable) -> Callable:
+    """accelerator.prepare_model for a model we sharded: autocast / compile only, no DDP, no second sharding."""
+
+    @functools.wraps(prepare_model)
+    def prepare(model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        return prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    return prepare
 
 
 def _create_accelerator(trainer: Any, original: Callable[[], None]) -> None:
-    """Create the accelerator without accelerate's FSDP plugin / ParallelismConfig (we shard ourselves)."""
+    """Trainer's accelerator, created without accelerate's FSDP plugin / ParallelismConfig (their settings were
+    read into the trainer's config already: we shard), and kept from wrapping the sharded model."""
     from accelerate.state import AcceleratorState
 
     args = trainer.args
-    _align_accelerate_state(args)
     saved_env = {k: os.environ.pop(k) for k in _ACCELERATE_SWITCHES if k in os.environ}
     saved_args = args.fsdp_plugin_args, args.parallelism_config
     args.fsdp_plugin_args, args.parallelism_config = None, None
     shared = AcceleratorState._shared_state
     if shared.get("fsdp_plugin") is not None or shared.get("parallelism_config") is not None:
-        AcceleratorState._reset_state()  # an earlier Accelerator fixed FSDP in the shared state
+        AcceleratorState._reset_state()  # an earlier Accelerator fixed FSDP in the process-wide state
     try:
-        original()
+        with _world_visible_to_accelerate(args):
+            original()
     finally:
         os.environ.update(saved_env)
         args.fsdp_plugin_args, args.parallelism_config = saved_args
+    trainer.accelerator.prepare_model = _keep_sharded(trainer.accelerator.prepare_model)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -187,85 +174,35 @@ def resolve_resume(trainer: Any, resume: Any) -> Any:
     return _checked(resume) if resume else resume
 
 
-def _save_checkpoint(trainer: Any, original: Callable, model: nn.Module, trial: Any = None) -> None:
-    """Trainer._save_checkpoint as one atomic sharded directory: model + optimizer shards (DCP), scheduler,
-    scaler, per-rank RNG, trainer state and args are staged in `<dir>.tmp`, which is renamed into place last."""
-    from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
-    from transformers.trainer_callback import ExportableState
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
-
-    args, state = trainer.args, trainer.state
-    if trainer.hp_search_backend is None and trial is None:
-        trainer.store_flos()
-    run_dir = trainer._get_output_dir(trial=trial)
-    final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-    staging = final + STAGING_SUFFIX
-    resumable = not args.save_only_model
-    stateful = {"scheduler": trainer.lr_scheduler, "scaler": getattr(trainer.accelerator, "scaler", None)}
-    extra = {k: v.state_dict() for k, v in stateful.items() if resumable and v is not None}
-    parallel.save_sharded(trainer.model, _plain_optimizer(trainer.optimizer) if resumable else None, extra, staging)
-    if resumable:
-        trainer._save_rng_state(staging)  # rng_state_<rank>.pth, read back by Trainer._load_rng_state
-    if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and state.best_global_step:
-        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
-        if os.path.exists(best):
-            state.best_model_checkpoint = best
-    if args.should_save:
-        for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
-            name = cb.__class__.__name__
-            if isinstance(state.stateful_callbacks[name], list):
-                state.stateful_callbacks[name].append(cb.state())
-            else:
-                state.stateful_callbacks[name] = cb.state()
-        state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-        torch.save(args, os.path.join(staging, TRAINING_ARGS_NAME))
+def _save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any) -> None:
+    """Trainer's own checkpoint save; the shards go in through save_model / _save_optimizer_and_scheduler below,
+    and the directory is marked COMPLETE once every rank has written its part."""
+    trainer._mindspeed_checkpoint_dir = None
+    try:
+        original(*args, **kwargs)
+        written = trainer._mindspeed_checkpoint_dir
+    finally:
+        trainer._mindspeed_checkpoint_dir = False
     dist.barrier()
-    if dist.get_rank() == 0:  # publish: the finished directory appears in one rename
-        if os.path.exists(final):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(final, COMPLETE_MARKER))
-            shutil.rmtree(final)
-        os.replace(staging, final)
+    if dist.get_rank() == 0 and written:
+        parallel.mark_complete(written, global_step=trainer.state.global_step)
     dist.barrier()
-    if args.push_to_hub:
-        trainer._push_from_checkpoint(final)
-    if args.should_save:
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
-                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
-
-
-def load_model(trainer: Any, path: str) -> None:
-    """Model shards from a checkpoint (collective); keeps its extra state for the optimizer/scheduler load."""
-    path = _checked(path)
-    trainer._mindspeed_resume_extra = (path, parallel.load_sharded(trainer.model, None, path))
-
-
-def _load_optimizer_and_scheduler(trainer: Any, original: Callable, checkpoint: str | None) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    if checkpoint is None:
-        return
-    path = _checked(checkpoint)
-    stashed = getattr(trainer, "_mindspeed_resume_extra", None)
-    extra = stashed[1] if stashed and stashed[0] == path else parallel.load_sharded(trainer.model, None, path)
-    if "scheduler" not in extra:  # saved with save_only_model: nothing to resume (as in Trainer)
-        return
-    optimizer = _plain_optimizer(trainer.optimizer)
-    state = {"optim": get_optimizer_state_dict(trainer.model, optimizer)}
-    dcp.load(state, checkpoint_id=path)
-    set_optimizer_state_dict(trainer.model, optimizer, state["optim"])
-    trainer.lr_scheduler.load_state_dict(extra["scheduler"])
-    scaler = getattr(trainer.accelerator, "scaler", None)
-    if scaler is not None and "scaler" in extra:
-        scaler.load_state_dict(extra["scaler"])
 
 
 def _save_model(trainer: Any, original: Callable, output_dir: str | None = None, _internal_call: bool = False) -> None:
-    """A directory `from_pretrained` loads (PEFT: the adapter only), gathered to rank 0's host memory."""
+    """Inside a checkpoint save: this rank's model shards. Otherwise a directory `from_pretrained` loads (PEFT:
+    the adapter only), gathered to rank 0's host memory, with the tokenizer and training arguments."""
     from transformers.trainer import TRAINING_ARGS_NAME
 
     output_dir = output_dir or trainer.args.output_dir
+    if getattr(trainer, "_mindspeed_checkpoint_dir", False) is None:  # called by Trainer._save_checkpoint
+        trainer._mindspeed_checkpoint_dir = output_dir
+        if dist.get_rank() == 0:
+            os.makedirs(output_dir, exist_ok=True)
+            parallel.unmark(output_dir)  # written over: not complete until the end of this save
+        dist.barrier()
+        parallel.save_model_shards(trainer.model, os.path.join(output_dir, MODEL_DIR))
+        return
     parallel.save_hf_consolidated(trainer.model, output_dir)
     if trainer.args.should_save:
         processor = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
@@ -274,6 +211,36 @@ def _save_model(trainer: Any, original: Callable, output_dir: str | None = None,
         torch.save(trainer.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
     if trainer.args.push_to_hub and not _internal_call:
         trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
+
+
+def _save_optimizer_and_scheduler(trainer: Any, original: Callable, output_dir: str) -> None:
+    """Optimizer shards (DCP) from every rank; the scheduler's state once, as Trainer writes it."""
+    from transformers.trainer import SCHEDULER_NAME
+
+    parallel.save_optimizer_shards(trainer.model, _plain_optimizer(trainer.optimizer),
+                                   os.path.join(output_dir, OPTIMIZER_DIR))
+    if trainer.args.should_save and trainer.lr_scheduler is not None:
+        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+
+def load_model(trainer: Any, path: str) -> None:
+    """Model shards from a complete checkpoint into the sharded model (collective)."""
+    parallel.load_model_shards(trainer.model, os.path.join(_checked(path), MODEL_DIR))
+
+
+def _load_optimizer_and_scheduler(trainer: Any, original: Callable, checkpoint: str | None) -> None:
+    from transformers.trainer import SCHEDULER_NAME
+
+    if checkpoint is None:
+        return
+    path = _checked(checkpoint)
+    if not os.path.isdir(os.path.join(path, OPTIMIZER_DIR)):  # saved with save_only_model: nothing to resume
+        return
+    parallel.load_optimizer_shards(trainer.model, _plain_optimizer(trainer.optimizer),
+                                   os.path.join(path, OPTIMIZER_DIR))
+    scheduler = os.path.join(path, SCHEDULER_NAME)
+    if os.path.isfile(scheduler):
+        trainer.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
 
 
 # ---------------------------------------------------------------------------------------------- the rest
@@ -307,16 +274,18 @@ def _defer_reduction(trainer: Any, original: Callable) -> Iterator[None]:
 
 
 #: Trainer method name -> implementation(trainer, bound original, *args, **kwargs), used while FSDP is requested.
+#: Every name is a seam (seams.py).
 OVERRIDES: dict[str, Callable[..., Any]] = {
     "create_accelerator_and_postprocess": _create_accelerator,
     "_move_model_to_device": _move_model_to_device,
     "_defer_fsdp_gradient_reduction": _defer_reduction,
     "evaluation_loop": _evaluation_loop,
     "_save_checkpoint": _save_checkpoint,
+    "save_model": _save_model,
+    "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
     "_load_from_checkpoint": lambda trainer, original, path, model=None: load_model(trainer, path),
     "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
     "_load_best_model": lambda trainer, original: load_model(trainer, trainer.state.best_model_checkpoint),
-    "save_model": _save_model,
 }
 
 

@@ -1,8 +1,9 @@
 """Whether, and how, a trainer's model is sharded with FSDP2: one reading of every source of the request.
 
-The sources are TrainingArguments `fsdp` + `fsdp_config`, the environment `accelerate launch` exports for an
-FSDP config (ACCELERATE_USE_FSDP, FSDP_*, PARALLELISM_CONFIG_*), and mindspeed_hf's own parallel sizes. They are
-read once, before any work; contradictions fail with a message that names the settings.
+Whether FSDP is asked for comes from TrainingArguments `fsdp` + `fsdp_config`, the environment `accelerate launch`
+exports for an FSDP config (ACCELERATE_USE_FSDP, FSDP_*), and the parallel sizes of the resolved config; the sizes
+and knobs themselves are settings of mindspeed_hf.config, resolved there with one precedence. Read once, before any
+work; contradictions fail with a message that names the settings.
 """
 
 from __future__ import annotations
@@ -10,21 +11,18 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from .. import parallel
-from ..config import MindSpeedConfig, ParallelConfig
+from ..config import ResolvedConfig
 
 logger = logging.getLogger("mindspeed_hf")
 
 _TRUE, _FALSE = ("1", "true", "yes", "on", "full_shard"), ("0", "false", "no", "off", "shard_grad_op", "no_shard")
-_OUR_AXES, _ACCELERATE_AXES = ("dp_replicate", "dp_shard", "cp", "ep"), ("dp_replicate", "dp_shard", "cp", "tp", "sp")
-_CONFIG_LABEL = ("mindspeed_hf parallel config (parallel.* in MINDSPEED_HF_CONFIG, or mindspeed_dp_replicate / "
-                 "mindspeed_dp_shard / mindspeed_cp / mindspeed_ep / mindspeed_reshard_after_forward / "
-                 "mindspeed_cpu_offload)")
+_SIZE_PATHS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.ep")
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,6 @@ class FsdpPlan:
     cpu_offload: bool
     prefetch: int
     cpu_ram_efficient_loading: bool
-    activation_checkpointing: bool
     sources: tuple[str, ...]
     layer_classes: tuple[str, ...] | None = None  # None: the model's _no_split_modules
 
@@ -53,37 +50,30 @@ def _flag(value: Any, where: str) -> bool:
 
 
 def _hf_request(args: Any) -> dict[str, Any] | None:
-    """FSDP asked for through TrainingArguments (`fsdp` + `fsdp_config`, normalised by HF into fsdp_plugin_args)."""
+    """FSDP asked for through TrainingArguments (`fsdp` + `fsdp_config`, normalised by HF into fsdp_plugin_args).
+    Its knobs (reshard_after_forward, cpu_offload, activation_checkpointing) are settings: see arguments.py."""
     plugin = getattr(args, "fsdp_plugin_args", None)
     if not getattr(args, "fsdp", None) or plugin is None:  # None also for fsdp_config xla (not ours)
         return None
-    version = int(plugin.get("fsdp_version", 2))
-    # HF fills reshard_after_forward in with a default; only what the user stated (fsdp_config, or a legacy
-    # `fsdp="full_shard"` string, which HF writes into fsdp_config) may contradict our own setting.
     config = getattr(args, "fsdp_config", None) or {}
-    stated = config.get("reshard_after_forward")
-    return {"source": "TrainingArguments.fsdp/fsdp_config", "version": version,
+    return {"source": "TrainingArguments.fsdp/fsdp_config", "version": int(plugin.get("fsdp_version", 2)),
             **_wrap_request(plugin.get("auto_wrap_policy"), plugin.get("transformer_cls_names_to_wrap"),
                             plugin.get("state_dict_type") if "state_dict_type" in config else None),
-            "reshard_after_forward": _flag(stated, "fsdp_config['reshard_after_forward']")
-            if version == 2 and stated is not None else None,
-            **{k: bool(plugin.get(k, False)) for k in ("cpu_offload", "cpu_ram_efficient_loading",
-                                                       "activation_checkpointing")}}
+            "cpu_ram_efficient_loading": _flag(plugin.get("cpu_ram_efficient_loading", False),
+                                               "fsdp_config['cpu_ram_efficient_loading']")}
 
 
 def _env_request(env: Mapping[str, str]) -> dict[str, Any] | None:
-    """FSDP asked for by `accelerate launch` (FSDP_* variables; accelerate defaults FSDP_VERSION to 1)."""
+    """FSDP asked for by `accelerate launch` (FSDP_* variables; accelerate defaults FSDP_VERSION to 1). Its knobs
+    are settings: see mindspeed_hf.config.accelerate_env_layer."""
     if not _flag(env.get("ACCELERATE_USE_FSDP", "false"), "ACCELERATE_USE_FSDP"):
         return None
-    version, reshard = int(env.get("FSDP_VERSION", "1")), env.get("FSDP_RESHARD_AFTER_FORWARD")
-    flags = {k: _flag(env.get(f"FSDP_{v}", "false"), f"FSDP_{v}") for k, v in (
-        ("cpu_offload", "OFFLOAD_PARAMS"), ("cpu_ram_efficient_loading", "CPU_RAM_EFFICIENT_LOADING"),
-        ("activation_checkpointing", "ACTIVATION_CHECKPOINTING"))}
-    return {"source": "accelerate launch environment (ACCELERATE_USE_FSDP)", "version": version,
+    return {"source": "accelerate launch environment (ACCELERATE_USE_FSDP)",
+            "version": int(env.get("FSDP_VERSION", "1")),
             **_wrap_request(env.get("FSDP_AUTO_WRAP_POLICY"), env.get("FSDP_TRANSFORMER_CLS_TO_WRAP"),
                             env.get("FSDP_STATE_DICT_TYPE")),
-            "reshard_after_forward": _flag(reshard, "FSDP_RESHARD_AFTER_FORWARD") if reshard and version == 2
-            else None, **flags}
+            "cpu_ram_efficient_loading": _flag(env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),
+                                               "FSDP_CPU_RAM_EFFICIENT_LOADING")}
 
 
 def _wrap_request(policy: str | None, classes: str | None, state_dict_type: str | None) -> dict[str, Any]:
@@ -106,74 +96,45 @@ def _say_what_differs(request: dict[str, Any]) -> None:
                        "consolidated HF safetensors", request["source"])
 
 
-def _explicit(section: ParallelConfig) -> dict[str, Any]:
-    """The parallel settings that differ from the defaults (what a user set on purpose)."""
-    default = ParallelConfig()
-    return {f.name: getattr(section, f.name) for f in fields(section)
-            if getattr(section, f.name) != getattr(default, f.name)}
-
-
-def _size_sources(args: Any, config: MindSpeedConfig, env: Mapping[str, str]) -> list[tuple[str, dict[str, int]]]:
-    """Every place that states mesh sizes, as (label, {dp_replicate, dp_shard, cp, ep, tp, sp})."""
-    out = []
-    if (_flag(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false"), "ACCELERATE_USE_PARALLELISM_CONFIG")
-            or any(k.startswith("PARALLELISM_CONFIG_") and k.endswith("_SIZE") for k in env)):
-        out.append(("accelerate launch environment (PARALLELISM_CONFIG_*_SIZE)",
-                    {k: int(env.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in _ACCELERATE_AXES}))
+def _refuse_other_axes(args: Any, env: Mapping[str, str]) -> None:
+    """accelerate's tensor / sequence parallel sizes: not ours to build; refuse them before any work."""
+    axes = ("tp", "sp")
+    stated = [("accelerate launch environment", {k: env.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE") for k in axes})]
     pc = getattr(args, "parallelism_config", None)
     if pc is not None:
-        out.append(("TrainingArguments.parallelism_config",
-                    {k: int(getattr(pc, f"{k}_size", None) or 1) for k in _ACCELERATE_AXES}))
-    if _explicit_sizes(config):
-        out.append((_CONFIG_LABEL, {k: getattr(config.parallel, k) for k in _OUR_AXES}))
-    return out
-
-
-def _explicit_sizes(config: MindSpeedConfig) -> dict[str, int]:
-    return {k: v for k, v in _explicit(config.parallel).items() if k in _OUR_AXES}
+        stated.append(("TrainingArguments.parallelism_config", {k: getattr(pc, f"{k}_size", None) for k in axes}))
+    for label, sizes in stated:
+        for name, why in (("tp", "tensor parallel"), ("sp", "sequence parallel")):
+            if sizes.get(name) is not None and int(sizes[name]) > 1:
+                raise ValueError(f"{label}: {name} size {sizes[name]} ({why}) is not supported by mindspeed_hf's "
+                                 f"Trainer FSDP2 integration; valid choices: {name} size 1")
 
 
 def world_size_from(env: Mapping[str, str]) -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(env.get("WORLD_SIZE", "1"))
 
 
-def _resolve_sizes(sources: list[tuple[str, dict[str, int]]], world: int) -> tuple[int, int, int, int]:
-    """One (dp_replicate, dp_shard, cp, ep) all sources agree on; errors name the source and the setting."""
-    resolved: list[tuple[str, tuple[int, int, int, int]]] = []
-    for label, s in sources:
-        for name, why in (("tp", "tensor parallel"), ("sp", "sequence parallel"), ("cp", "context parallel"),
-                          ("ep", "expert parallel")):
-            if s.get(name, 1) > 1:
-                raise ValueError(f"{label}: {name} size {s[name]} ({why}) is not supported by mindspeed_hf's "
-                                 f"Trainer FSDP2 integration yet; valid choices: {name} size 1")
-        try:
-            dims = parallel.ParallelDims(s["dp_replicate"], s["dp_shard"], s["cp"], s.get("ep", 1), world_size=world)
-        except ValueError as err:
-            raise ValueError(f"{label}: {err}") from err
-        resolved.append((label, (dims.dp_replicate, dims.dp_shard, dims.cp, dims.ep)))
-    for label, sizes in resolved[1:]:
-        if sizes != resolved[0][1]:
-            raise ValueError(f"contradictory mesh sizes (dp_replicate, dp_shard, cp, ep): {resolved[0][0]} gives "
-                             f"{resolved[0][1]} but {label} gives {sizes}; set them in one place only")
-    return resolved[0][1] if resolved else (1, parallel.ParallelDims(world_size=world).dp_shard, 1, 1)
+def _sizes(resolved: ResolvedConfig, world: int) -> parallel.ParallelDims:
+    """The mesh sizes, checked against the world size; the error names where each size came from."""
+    p = resolved.config.parallel
+    try:
+        return parallel.ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size=world)
+    except ValueError as err:
+        given = ", ".join(f"{path}={getattr(p, path.split('.')[1])} ({resolved.sources[path]})"
+                          for path in _SIZE_PATHS if resolved.is_set(path)) or "the defaults"
+        raise ValueError(f"mindspeed_hf parallel sizes from {given}: {err}") from err
 
 
-def _knob(name: str, hf: dict[str, Any] | None, config: MindSpeedConfig) -> Any:
-    """An FSDP knob from HF/accelerate if it states one, else ours; both stated and different is an error."""
-    ours, explicit = getattr(config.parallel, name), name in _explicit(config.parallel)
-    theirs = hf.get(name) if hf else None
-    if theirs is not None and explicit and theirs != ours:
-        raise ValueError(f"{hf['source']} sets {name}={theirs} but {_CONFIG_LABEL} sets parallel.{name}={ours}; "
-                         "set it in one place only")
-    return theirs if theirs is not None else ours
-
-
-def resolve_plan(args: Any, config: MindSpeedConfig, env: Mapping[str, str] | None = None,
+def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | None = None,
                  world_size: int | None = None) -> FsdpPlan | None:
     """Whether (and how) this trainer's model is sharded with FSDP2; None leaves Trainer exactly as it is.
 
-    Raises ValueError (naming the settings) on contradictions: FSDP version 1 together with mindspeed_hf
-    parallel sizes, different versions or sizes from two sources, sizes whose product is not the world size.
+    FSDP is asked for by TrainingArguments `fsdp` (version 2), by `accelerate launch` (ACCELERATE_USE_FSDP with
+    FSDP_VERSION 2), or by any parallel size set in the resolved config (arguments, MINDSPEED_HF_*, YAML, or
+    accelerate's PARALLELISM_CONFIG_*). Sizes and knobs are the resolved config's (mindspeed_hf.config gives the
+    precedence). Raises ValueError (naming the settings) for FSDP version 1 together with our sizes, different
+    versions or layer classes from two sources, tensor/sequence parallel sizes, and sizes that do not tile the
+    world.
     """
     env = os.environ if env is None else env
     world = world_size_from(env) if world_size is None else world_size
@@ -182,23 +143,20 @@ def resolve_plan(args: Any, config: MindSpeedConfig, env: Mapping[str, str] | No
         raise ValueError(f"{requests[0]['source']} asks for FSDP version {requests[0]['version']} but "
                          f"{requests[1]['source']} (FSDP_VERSION) for version {requests[1]['version']}")
     hf = requests[0] if requests else None
-    if hf and len(requests) == 2:  # both stated: a knob they disagree on is a contradiction too
-        for knob in ("reshard_after_forward", "cpu_offload"):
-            a, b = requests[0][knob], requests[1][knob]
-            if a is not None and b is not None and a != b:
-                raise ValueError(f"{requests[0]['source']} sets {knob}={a} but {requests[1]['source']} sets {b}")
-    ours_sizes = _explicit_sizes(config)
+    sizes_set = {path: resolved.sources[path] for path in _SIZE_PATHS if resolved.is_set(path)}
     if hf and hf["version"] != 2:
-        if ours_sizes:
+        if sizes_set:
             raise ValueError(f"{hf['source']} asks for FSDP version {hf['version']}, which cannot be combined with "
-                             f"{_CONFIG_LABEL} sizes {ours_sizes}: mindspeed_hf shards with FSDP2; valid choices: "
-                             "fsdp version 2, or drop the mindspeed_hf parallel sizes")
+                             f"the mindspeed_hf parallel sizes {sorted(sizes_set)} (from "
+                             f"{', '.join(sizes_set.values())}): mindspeed_hf shards with FSDP2; valid choices: fsdp "
+                             "version 2, or no parallel sizes")
         logger.info("mindspeed_hf: FSDP version %s is left to accelerate", hf["version"])
         return None
-    if hf is None and not ours_sizes:
+    if hf is None and not sizes_set:
         return None
-    dp_replicate, dp_shard, cp, ep = _resolve_sizes(_size_sources(args, config, env), world)
-    if dp_replicate * dp_shard * cp == 1:
+    _refuse_other_axes(args, env)
+    dims = _sizes(resolved, world)
+    if dims.dp_replicate * dims.fsdp_size == 1:
         logger.info("mindspeed_hf: FSDP asked for in a single process; nothing to shard")
         return None
     stated_classes = {r["layer_classes"] for r in requests if r["layer_classes"]}
@@ -207,8 +165,8 @@ def resolve_plan(args: Any, config: MindSpeedConfig, env: Mapping[str, str] | No
                          f"wrap: {sorted(stated_classes)}; set transformer_layer_cls_to_wrap in one place only")
     for request in requests:
         _say_what_differs(request)
-    sources = tuple(r["source"] for r in requests) + ((_CONFIG_LABEL,) if ours_sizes else ())
-    return FsdpPlan(dp_replicate, dp_shard, cp, ep, bool(_knob("reshard_after_forward", hf, config)),
-                    bool(_knob("cpu_offload", hf, config)), config.parallel.prefetch,
-                    bool(hf and hf["cpu_ram_efficient_loading"]), bool(hf and hf["activation_checkpointing"]),
-                    sources, next(iter(stated_classes), None))
+    p = resolved.config.parallel
+    sources = tuple(r["source"] for r in requests) + tuple(dict.fromkeys(sizes_set.values()))
+    return FsdpPlan(dims.dp_replicate, dims.dp_shard, dims.cp, dims.ep, p.reshard_after_forward, p.cpu_offload,
+                    p.prefetch, bool(hf and hf["cpu_ram_efficient_loading"]), sources,
+                    next(iter(stated_classes), None))

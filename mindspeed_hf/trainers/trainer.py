@@ -2,7 +2,8 @@
 
 The model is settled BEFORE Trainer.__init__ runs, because Trainer's __init__ already inspects it (loss kwargs,
 label names), moves it to the device and builds the accelerator around it. `_mindspeed_prepare_model` is the
-one hook that does it: kernels, recompute, and (when asked for) the device mesh and FSDP2 sharding (fsdp.py).
+one hook that does it: the trainer's config attached to the model (kernels), then `parallel.parallelize`
+(recompute, and when asked for the device mesh and FSDP2 sharding).
 
 The helpers below only use attributes they set themselves (`_mindspeed_*`) and Trainer's public ones, so the
 drop-in wiring (wiring.py) runs exactly the same code on a plain `transformers.Trainer` or TRL's SFTTrainer.
@@ -18,65 +19,62 @@ from typing import Any
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from ..config import MindSpeedConfig
-from ..memory import enable_recompute
+from ..config import MindSpeedConfig, ResolvedConfig
+from ..parallel.parallelize import ParallelizeOptions, parallelize
 from . import fsdp
-from .arguments import MindSpeedTrainingArguments
+from .arguments import resolve_for
 
 logger = logging.getLogger("mindspeed_hf")
 
 
-def resolve_config(args: TrainingArguments | None) -> MindSpeedConfig:
-    """The accelerator config for a trainer: from MindSpeedTrainingArguments, else the active one
-    (what `import mindspeed_hf` enabled: MINDSPEED_HF_CONFIG or the defaults)."""
-    if isinstance(args, MindSpeedTrainingArguments):
-        return args.mindspeed_config()
-    import mindspeed_hf
+def resolve_config(args: TrainingArguments | None) -> ResolvedConfig:
+    """The accelerator config for a trainer: its arguments (set mindspeed_* fields, fsdp_config,
+    parallelism_config) over the process config - a config given to enable(), else the MINDSPEED_HF_*
+    variables, MINDSPEED_HF_CONFIG and the accelerate launch environment (precedence: mindspeed_hf.config)."""
+    from ..patches import apply
 
-    return mindspeed_hf.get_config()
-
-
-def _activate(config: MindSpeedConfig) -> None:
-    """Make `config` the active one: the class-level patches must match what this trainer asked for."""
-    import mindspeed_hf
-
-    if mindspeed_hf.is_enabled() and mindspeed_hf.get_config() == config:
-        return
-    if mindspeed_hf.is_enabled():
-        logger.info("mindspeed_hf: the training arguments ask for another config than the active one; switching")
-    mindspeed_hf.enable(config)
+    return resolve_for(args, base=apply.explicit_process_config())
 
 
 def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpeedConfig:
-    """Resolve and activate the config for `trainer` (before Trainer.__init__); returns it."""
-    config = resolve_config(args)
-    # FSDP2 request from the args, the accelerate launch environment or the config: contradictions fail here,
-    # before anything is patched or built.
-    trainer._mindspeed_fsdp_plan = fsdp.resolve_plan(args, config)
+    """Resolve the config of `trainer` (before Trainer.__init__): it belongs to this trainer and its model, not
+    to the process. Contradictions fail here, before anything is patched or built."""
+    import mindspeed_hf
+
+    resolved = resolve_config(args)
+    # FSDP2 request from the args, the accelerate launch environment or the config.
+    trainer._mindspeed_fsdp_plan = fsdp.resolve_plan(args, resolved)
     trainer._mindspeed_fsdp = None
-    _activate(config)
-    trainer._mindspeed_config = config
+    if not mindspeed_hf.is_enabled():  # the kernels are patched in once per process; settings stay per model
+        mindspeed_hf.enable()
+    trainer._mindspeed_config = resolved.config
+    trainer._mindspeed_sources = resolved.sources
     # Trainer.__init__ has not run yet when the hook runs: keep the arguments where the hook can read them.
     trainer._mindspeed_args = args
     trainer._mindspeed_report = None
-    return config
+    return resolved.config
 
 
 def prepare_model(trainer: Trainer, model: nn.Module) -> nn.Module:
-    """Apply the kernels (PEFT-wrapped models too) and recompute to `model`; record and log what applied."""
+    """Attach the trainer's config to `model` (PEFT-wrapped too) and run `parallelize` on it (recompute, and the
+    mesh + FSDP2 when asked for); record and log what applied."""
     import mindspeed_hf
 
     config: MindSpeedConfig = trainer._mindspeed_config
     report = mindspeed_hf.apply_to_model(model, config)
     trainer._mindspeed_report = report
-    if config.memory.recompute:
-        enable_recompute(model)
     applied = [op for op, n in report.get("kernels", {}).items() if n]
     logger.info("mindspeed_hf: %s runs %s with kernels %s (backend %s); recompute %s", type(trainer).__name__,
                 type(model).__name__, ", ".join(applied) or "none", report.get("backend"),
                 "on" if config.memory.recompute else "off")
-    if fsdp.is_requested(trainer):
-        model = fsdp.shard_model(trainer, model)
+    plan = trainer._mindspeed_fsdp_plan
+    dims = fsdp.build_dims(trainer) if plan is not None else None
+    options = ParallelizeOptions(param_dtype=fsdp.low_precision(trainer._mindspeed_args) if dims else None,
+                                 layer_classes=plan.layer_classes if plan else None,
+                                 broadcast_from_rank0=bool(plan and plan.cpu_ram_efficient_loading))
+    model = parallelize(model, dims, config, options)
+    if dims is not None:
+        fsdp.mark_sharded(trainer, model)
     return model
 
 
@@ -123,9 +121,10 @@ def liger_guard(trainer: Trainer) -> Iterator[None]:
 class MindSpeedTrainer(Trainer):
     """transformers.Trainer that runs the model on mindspeed_hf's fused kernels and, when asked for, FSDP2.
 
-    Takes every Trainer argument. The config comes from MindSpeedTrainingArguments, or for plain
-    TrainingArguments from the active config (MINDSPEED_HF_CONFIG or the defaults). Using this class is an
-    explicit request: it enables the accelerator with that config even under MINDSPEED_HF_AUTO=0.
+    Takes every Trainer argument. The config comes from MindSpeedTrainingArguments over the process config
+    (mindspeed_hf.config gives the precedence) and belongs to this trainer and its model: other trainers and
+    models in the process keep theirs. Using this class is an explicit request: it patches the kernels in even
+    under MINDSPEED_HF_AUTO=0.
     """
 
     # The drop-in wiring of transformers.Trainer leaves instances of this class to their own code.
@@ -173,4 +172,5 @@ def _fsdp_method(name: str) -> Any:
 
 
 for _name in fsdp.OVERRIDES:
-    setattr(MindSpeedTrainer, _name, _fsdp_method(_name))
+    if hasattr(Trainer, _name):  # a seam newer than the installed release is not used
+        setattr(MindSpeedTrainer, _name, _fsdp_method(_name))

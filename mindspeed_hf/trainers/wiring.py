@@ -4,9 +4,10 @@ SFTTrainer included) behaves like MindSpeedTrainer.
 The methods are wrapped on the Trainer class object itself, not by rebinding the name `Trainer` in modules:
 a script that did `from transformers import Trainer` before importing mindspeed_hf holds the same class
 object, so it is covered too. Every original is kept and put back exactly by uninstall_trainer_wiring().
-Settings for such a script come from the active config (MINDSPEED_HF_CONFIG=path.yaml, or the defaults), and
-FSDP2 also from its own `fsdp`/`fsdp_config` arguments or the `accelerate launch` environment: the Trainer methods
-in fsdp.OVERRIDES are wrapped too and run the same code as MindSpeedTrainer's while the model is sharded.
+Settings for such a script come from its own `fsdp`/`fsdp_config`/`parallelism_config` arguments over the process
+config (MINDSPEED_HF_* variables, MINDSPEED_HF_CONFIG=path.yaml, the accelerate launch environment, the defaults);
+the Trainer methods in fsdp.OVERRIDES (each a seam, seams.py) are wrapped too and run the same code as
+MindSpeedTrainer's while the model is sharded.
 """
 
 from __future__ import annotations
@@ -107,13 +108,16 @@ def _wrappers() -> dict[str, Callable[[Callable], Callable]]:
 
 def install_trainer_wiring() -> None:
     """Wrap transformers.Trainer's __init__, call_model_init, train and the FSDP2 methods on the class.
-    Idempotent."""
+    Idempotent. Fails (RuntimeError naming the transformers release) when a method we depend on is gone."""
     if len(_patches):
         return
     from transformers import Trainer
 
+    from . import seams
+
+    seams.check()
     for name, wrap in _wrappers().items():
-        if name not in vars(Trainer):  # a Trainer method another transformers release does not have
+        if name not in vars(Trainer):  # a seam newer than this release (seams.check() vouched for the rest)
             continue
         wrapped = wrap(vars(Trainer)[name])
         wrapped._mindspeed_wiring = True

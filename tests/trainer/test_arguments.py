@@ -9,14 +9,14 @@ import pytest
 import yaml
 from transformers import HfArgumentParser
 
-from mindspeed_hf.config import MindSpeedConfig, config_from_dict
+from mindspeed_hf.config import MindSpeedConfig, config_from_dict, settings
 from mindspeed_hf.trainers import MindSpeedTrainingArguments
 
 FLAGS = ["--output_dir", "out", "--mindspeed_backend", "torch", "--mindspeed_rope", "false",
-         "--mindspeed_loss_chunk_size", "256", "--mindspeed_dp_replicate", "2", "--mindspeed_cp", "2",
+         "--mindspeed_loss_chunk_size", "256", "--mindspeed_dp_replicate", "2", "--mindspeed_dp_shard", "2",
          "--mindspeed_recompute"]
 EXPECTED = {"backend": "torch", "kernels": {"rope": False, "loss_chunk_size": 256},
-            "parallel": {"dp_replicate": 2, "cp": 2}, "memory": {"recompute": True}}
+            "parallel": {"dp_replicate": 2, "dp_shard": 2}, "memory": {"recompute": True}}
 
 
 def _parser() -> HfArgumentParser:
@@ -41,7 +41,8 @@ def test_every_config_setting_has_an_argument():
 def test_cli_flags():
     (args,) = _parser().parse_args_into_dataclasses(args=FLAGS)
     assert args.mindspeed_config() == config_from_dict(EXPECTED)
-    assert args.mindspeed_swiglu is True and args.mindspeed_rope is False
+    assert args.mindspeed_swiglu is None and args.mindspeed_rope is False  # not given: None, the default applies
+    assert args.mindspeed_config().kernels.swiglu is True
 
 
 def test_yaml_and_json_round_trip(tmp_path):
@@ -61,6 +62,8 @@ def test_yaml_and_json_round_trip(tmp_path):
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("mindspeed_cp", 0, "parallel.cp=0 must be >= 1"),
+    ("mindspeed_cp", 2, "parallel.cp=2: context parallelism is not available in this release"),
+    ("mindspeed_ep", 2, "parallel.ep=2: expert parallelism is not available in this release"),
     ("mindspeed_dp_shard", 0, "parallel.dp_shard=0"),
     ("mindspeed_loss_chunk_size", -1, "loss_chunk_size=-1"),
     ("mindspeed_backend", "tpu", "backend='tpu' is not valid; choose one of auto, torch, npu, cuda"),
@@ -76,6 +79,16 @@ def test_bad_flag_value_rejected_by_parser():
         _parser().parse_args_into_dataclasses(args=["--output_dir", "o", "--mindspeed_backend", "tpu"])
 
 
-def test_backend_env_overrides(monkeypatch):
+def test_backend_env_applies_unless_the_argument_is_set(monkeypatch):
     monkeypatch.setenv("MINDSPEED_HF_BACKEND", "torch")
     assert MindSpeedTrainingArguments(output_dir="out").mindspeed_config().backend == "torch"
+    explicit = MindSpeedTrainingArguments(output_dir="out", mindspeed_backend="auto")
+    assert explicit.mindspeed_config().backend == "auto"  # explicit arguments win over the environment
+
+
+def test_fields_are_generated_from_the_settings():
+    fields = {f.name: f for f in dataclasses.fields(MindSpeedTrainingArguments)}
+    for setting in settings():
+        f = fields[setting.argument]
+        assert f.default is None  # not set: the lower layers decide
+        assert setting.help in f.metadata["help"] and setting.env in f.metadata["help"]

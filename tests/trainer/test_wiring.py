@@ -61,9 +61,9 @@ def test_enable_and_disable_drive_the_wiring(restore_wiring):
 
 
 def test_plain_trainer_gets_the_kernels(tmp_path, restore_wiring):
+    model = tiny_model()  # built before the package is enabled: HF's default attention (sdpa)
+    assert model.config._attn_implementation == "sdpa"
     mindspeed_hf.enable()
-    model = tiny_model()
-    model.set_attn_implementation("sdpa")  # as if built before the import
     trainer = Trainer(model, quick_args(tmp_path), train_dataset=dataset())  # positional model and args
     assert model.config._attn_implementation == "mindspeed"
     assert all(trainer._mindspeed_report["kernels"].values())
@@ -94,12 +94,13 @@ def test_mindspeed_trainer_prepares_once_under_the_wiring(tmp_path, restore_wiri
     assert len(calls) == 1 and trainer.mindspeed_report["kernels"]["swiglu"] == 2
 
 
-def test_arguments_config_becomes_active(tmp_path, restore_wiring):
+def test_arguments_config_belongs_to_the_trainer(tmp_path, restore_wiring):
     mindspeed_hf.enable()
     args = quick_args(tmp_path, MindSpeedTrainingArguments, mindspeed_rope=False)
     trainer = MindSpeedTrainer(model=tiny_model(), args=args, train_dataset=dataset())
-    assert mindspeed_hf.get_config().kernels.rope is False
     assert trainer.mindspeed_report["kernels"]["rope"] == 0 and trainer.mindspeed_report["kernels"]["rms_norm"] > 0
+    assert mindspeed_hf.get_config().kernels.rope is True  # the process config is untouched
+    assert mindspeed_hf.report(tiny_model())["kernels"]["rope"] == 2  # and so are other models
 
 
 def test_recompute_is_on_and_logged(tmp_path, caplog):

@@ -1,0 +1,214 @@
+"""Every difference between the supported transformers releases (4.57 .. newest 5.x), in one place.
+
+Each shim is chosen by feature detection (an attribute, a signature, a dataclass field), never by comparing version
+numbers, and its docstring names the releases that need it. Code elsewhere in the package asks this module instead
+of probing transformers itself, so that dropping an old release is deleting its branch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import masking_utils, modeling_rope_utils, modeling_utils
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# ------------------------------------------------------------------------------------------- cache argument name
+
+CACHE_NAME: str = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else (
+    "past_key_values")
+"""The name of the KV cache in model forwards and their outputs: `cache` from transformers 5 on (which still accepts
+`past_key_values` as a deprecated alias), `past_key_values` up to 4.57."""
+
+
+def cache_of(outputs: Any) -> Any:
+    """The KV cache field of a model output, whatever the release calls it (see CACHE_NAME)."""
+    return getattr(outputs, CACHE_NAME)
+
+
+# ------------------------------------------------------------------------------------------------- causal-LM head
+
+
+def slice_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions of `hidden_states` [B, S, H] that the lm_head projects, as the causal-LM forwards select them.
+
+    transformers 5 has `modeling_utils.slice_logits_to_keep` (which also takes 2-D selections); 4.57 slices inline in
+    each forward: an int keeps the last `n` positions (0 keeps all), a 1-D tensor indexes the sequence axis.
+    """
+    if _slice_logits_to_keep is not None:
+        return _slice_logits_to_keep(hidden_states, logits_to_keep)
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return hidden_states[:, keep, :]
+
+
+_slice_logits_to_keep: Callable | None = getattr(modeling_utils, "slice_logits_to_keep", None)
+
+
+@functools.cache
+def _named_parameters(forward: Callable) -> frozenset[str] | None:
+    """The keyword names `forward` accepts, or None when it takes **kwargs (accepts any name)."""
+    params = inspect.signature(forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params)
+
+
+def accepted_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The part of `kwargs` that `module.forward` accepts.
+
+    transformers 4.57's Qwen2-MoE decoder (`Qwen2MoeModel.forward`) takes no **kwargs, and its causal-LM forward passes
+    loss kwargs (`num_items_in_batch`, ...) to the loss only; every other backbone of 4.57 and all of 5.x take
+    **kwargs, and get everything.
+    """
+    names = _named_parameters(type(module).forward)
+    return dict(kwargs) if names is None else {k: v for k, v in kwargs.items() if k in names}
+
+
+# ----------------------------------------------------------------------------------------------------------- rope
+
+
+def rope_unsqueeze_dim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """`unsqueeze_dim` of an `apply_rotary_pos_emb(q, k, cos, sin, ...)` call, from the arguments after `sin`.
+
+    5.x and most 4.57 modules: `(q, k, cos, sin, unsqueeze_dim=1)`. 4.57's Qwen2-MoE keeps the legacy
+    `(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)` and passes `position_ids` (unused) positionally.
+    """
+    if "unsqueeze_dim" in kwargs:
+        return int(kwargs["unsqueeze_dim"])
+    rest = list(args)
+    if rest and not isinstance(rest[0], int):  # the legacy position_ids slot (a tensor or None)
+        rest.pop(0)
+    return int(rest[0]) if rest else 1
+
+
+def rope_config(theta: float = 10000.0, partial_rotary_factor: float = 1.0) -> dict[str, Any]:
+    """Config keyword arguments for default (unscaled) RoPE with base `theta`, rotating `partial_rotary_factor` of
+    each head.
+
+    transformers 5 groups them in `rope_parameters` (its `RopeParameters` dict); 4.57 takes `rope_theta` and
+    `partial_rotary_factor` as top-level config arguments (and `rope_scaling` for scaled variants).
+    """
+    if hasattr(modeling_rope_utils, "RopeParameters"):
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": float(theta),
+                                    "partial_rotary_factor": float(partial_rotary_factor)}}
+    return {"rope_theta": float(theta), "partial_rotary_factor": float(partial_rotary_factor)}
+
+
+# ---------------------------------------------------------------------------------------------- attention masks
+
+MASK_TAKES_CACHE_POSITION: bool = "cache_position" in inspect.signature(masking_utils.sdpa_mask).parameters
+"""How transformers calls an AttentionMaskInterface function (and its own sdpa_mask): 4.57 passes the queries as
+`cache_position` (a [q_len] tensor of their positions); 5.x passes `q_length`, `q_offset` and `device`."""
+
+
+def mask_query_span(kwargs: dict[str, Any], kv_length: int) -> tuple[int, int | None, torch.device | str | None]:
+    """(q_length, q_offset, device or None) of an AttentionMaskInterface call, from its keyword arguments.
+
+    q_offset is None when it is not known on the host without a device sync: under 4.57 (`cache_position`) it is
+    known only for q_length == kv_length, where it must be 0 (the queries then cover every key).
+    """
+    cache_position = kwargs.get("cache_position")
+    if cache_position is not None:
+        q_length = int(cache_position.shape[0])
+        return q_length, (0 if q_length == kv_length else None), cache_position.device
+    return int(kwargs["q_length"]), kwargs.get("q_offset", 0), kwargs.get("device")
+
+
+def mask_query_kwargs(q_length: int, q_offset: int, device: torch.device) -> dict[str, Any]:
+    """Keyword arguments that describe the queries to transformers' own mask builders (`sdpa_mask`, ...): 4.57's
+    `cache_position`, or 5.x's `q_length` / `q_offset` / `device` (see MASK_TAKES_CACHE_POSITION)."""
+    if MASK_TAKES_CACHE_POSITION:
+        return {"cache_position": torch.arange(q_offset, q_offset + q_length, device=device)}
+    return {"q_length": q_length, "q_offset": q_offset, "device": device}
+
+
+def _attend_everywhere(batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """Mask function of full (non-causal) attention: every key is visible."""
+    return kv_idx >= 0
+
+
+bidirectional_mask_function: Callable = getattr(masking_utils, "bidirectional_mask_function", _attend_everywhere)
+"""The full-attention mask function: `masking_utils.bidirectional_mask_function` in 5.x; 4.57 has none (its encoder
+masks are built elsewhere), so an equivalent one is defined here."""
+
+
+def create_mask(builder: Callable, config: Any, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None = None) -> Any:
+    """Call a `masking_utils.create_*_mask` builder for a prefill without a cache, as the model code does.
+
+    5.x: `(config, inputs_embeds, attention_mask, cache, position_ids)`. 4.57: `(config, input_embeds,
+    attention_mask, cache_position, past_key_values, position_ids)`.
+    """
+    params = inspect.signature(builder).parameters
+    if "cache_position" not in params:
+        return builder(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=None,
+                       position_ids=position_ids)
+    cache_position = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
+    return builder(config=config, input_embeds=inputs_embeds, attention_mask=attention_mask,
+                   cache_position=cache_position, past_key_values=None, position_ids=position_ids)
+
+
+def supports_attention_interface(model: nn.Module | type) -> bool:
+    """Whether a model class reaches its attention through `AttentionInterface` (so `attn_implementation="mindspeed"`
+    applies to it).
+
+    Every supported family does in 5.x; in 4.57 Qwen2-MoE still picks attention classes from a per-model table
+    (`QWEN2MOE_ATTENTION_CLASSES`), which transformers reports through `_supports_attention_backend = False`.
+    """
+    cls = model if isinstance(model, type) else type(model)
+    return bool(getattr(cls, "_supports_attention_backend", False))
+
+
+def _sdpa_ignores_softcap() -> bool:
+    """Probe HF's sdpa attention with a soft-cap that changes the result: True when it returns the uncapped result."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    query = torch.tensor([[[[1.0], [2.0]]]])  # [B=1, N=1, S=2, D=1]: scores 1, 2, 2, 4 before capping
+    value = torch.tensor([[[[0.0], [1.0]]]])
+    module = nn.Module()
+    try:
+        capped, _ = sdpa_attention_forward(module, query, query, value, None, is_causal=False, softcap=0.5)
+    except ValueError:  # refused (5.x)
+        return False
+    plain, _ = sdpa_attention_forward(module, query, query, value, None, is_causal=False)
+    return torch.equal(capped, plain)
+
+
+SDPA_IGNORES_SOFTCAP: bool = _sdpa_ignores_softcap()
+"""transformers 4.57's `sdpa_attention_forward` silently drops `softcap` (so 4.57's default Gemma2, which is "sdpa",
+runs without attention logit soft-capping); 5.x refuses it, and Gemma2 there does not support sdpa at all."""
+
+
+def sdpa_replaceable(model: nn.Module) -> bool:
+    """Whether `attn_implementation="mindspeed"` can take the place of this model's "sdpa" with the same results.
+
+    Not in 4.57 for a model without AttentionInterface (see supports_attention_interface), nor for one with attention
+    logit soft-capping (`config.attn_logit_softcapping`, Gemma2/3): there HF's sdpa ignores the cap
+    (SDPA_IGNORES_SOFTCAP) while our kernel applies it, as eager attention does. Always, in 5.x.
+    """
+    softcapped = getattr(model.config, "attn_logit_softcapping", None) is not None
+    return supports_attention_interface(model) and not (SDPA_IGNORES_SOFTCAP and softcapped)
+
+
+# ------------------------------------------------------------------------------------------------------- recompute
+
+
+def enable_activation_checkpointing(model: nn.Module, checkpoint_kwargs: dict[str, Any]) -> bool:
+    """Turn on HF's activation checkpointing with `checkpoint_kwargs` (for torch.utils.checkpoint); False when the
+    model has no such switch.
+
+    transformers 5 names it `activation_checkpointing_enable(activation_checkpointing_kwargs=...)`; 4.57 (and 5.x
+    through a deprecated alias) `gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`.
+    """
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        return False
+    return True

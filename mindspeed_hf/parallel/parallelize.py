@@ -1,0 +1,143 @@
+"""parallelize(model, dims, config): the one place that applies the parallel and memory features to a model.
+
+The steps run in this order, each a small function `step(model, dims, config, options) -> model`:
+
+    1. recompute   memory.recompute: non-reentrant activation checkpointing of every decoder layer
+    2. fsdp        parallel.*: FSDP2 / HSDP over the mesh `dims` built (each decoder layer, the embeddings, the
+                   final norm + lm_head, the root)
+
+Expert parallelism and context parallelism will come before recompute (they change what a layer computes), and
+activation offload right after it (it wraps what recompute leaves); FSDP2 is always last, since it shards the
+parameters the earlier steps placed. A model family can replace a step with its own function
+(`register_step_override("qwen3_moe", "fsdp")`), for layouts the generic step does not know.
+
+The Trainer integration calls it from its prepare hook; nothing else in the package shards a model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import MindSpeedConfig
+from ..memory import enable_recompute
+from .dims import ParallelDims, fsdp_mesh
+from .fsdp import apply_fsdp, unwrap_hf_model
+
+__all__ = ["ParallelizeOptions", "STEPS", "parallelize", "register_step_override"]
+
+logger = logging.getLogger("mindspeed_hf")
+
+
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """What a step needs besides the config: facts of the run, not settings."""
+
+    param_dtype: torch.dtype | None = None  # bf16/fp16 mixed precision of the run (master weights stay fp32)
+    layer_classes: tuple[str, ...] | None = None  # classes sharded one group each (default: _no_split_modules)
+    broadcast_from_rank0: bool = False  # only rank 0 loaded real weights (cpu_ram_efficient_loading)
+
+
+Step = Callable[[nn.Module, "ParallelDims | None", MindSpeedConfig, ParallelizeOptions], nn.Module]
+
+
+def apply_recompute(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
+                    options: ParallelizeOptions) -> nn.Module:
+    """Step 1: recompute, when memory.recompute is on."""
+    if config.memory.recompute:
+        enable_recompute(model)
+    return model
+
+
+def _device(dims: ParallelDims) -> torch.device:
+    device_type = dims.world_mesh.device_type
+    return torch.device("cpu") if device_type == "cpu" else torch.device(device_type,
+                                                                         int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t)
+    return bool(t.item())
+
+
+def _broadcast_from_rank0(model: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """Only rank 0 holds real weights (the others meta/empty tensors): copy them into every rank's shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        model.to_empty(device=device)
+    set_model_state_dict(model, full or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():  # non-persistent buffers (rotary inv_freq) are not in any state dict
+        dist.broadcast(buffer.data, src=0)
+
+
+def apply_fsdp2(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
+                options: ParallelizeOptions) -> nn.Module:
+    """Step 2: FSDP2 / HSDP over `dims`' mesh (collective), when there is more than one rank to shard over."""
+    if dims is None or dims.dp_replicate * dims.fsdp_size == 1:
+        return model
+    device = _device(dims)
+    if options.param_dtype is not None:  # sharded master weights stay fp32; FSDP casts them for compute
+        for p in model.parameters():
+            if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+    sync = options.broadcast_from_rank0 or _any_rank(any(p.is_meta for p in model.parameters()), device)
+    full = model.state_dict() if sync and dist.get_rank() == 0 else None
+    p = config.parallel
+    apply_fsdp(model, fsdp_mesh(dims.world_mesh, dims), param_dtype=options.param_dtype, reduce_dtype=torch.float32,
+               reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload, prefetch=p.prefetch,
+               layer_classes=options.layer_classes)
+    if sync:
+        _broadcast_from_rank0(model, full, device)
+    # transformers' own FSDP2 marker: generate() keeps the ranks in step (synced_gpus), and Trainer's
+    # gradient-accumulation path defers the reduction.
+    for module in {id(m): m for m in (model, unwrap_hf_model(model))}.values():
+        module._is_fsdp_managed_module = True
+    if callable(getattr(model, "generate", None)):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "generate")
+    return model
+
+
+#: The steps, in the order they apply.
+STEPS: tuple[tuple[str, Step], ...] = (("recompute", apply_recompute), ("fsdp", apply_fsdp2))
+_OVERRIDES: dict[tuple[str, str], Step] = {}
+
+
+def register_step_override(model_type: str, step: str) -> Callable[[Step], Step]:
+    """Decorator: run the decorated function instead of step `step` for models of `model_type`."""
+    names = [name for name, _ in STEPS]
+    if step not in names:
+        raise ValueError(f"no parallelize step {step!r}; valid choices: {', '.join(names)}")
+
+    def register(fn: Step) -> Step:
+        _OVERRIDES[(model_type, step)] = fn
+        return fn
+
+    return register
+
+
+def parallelize(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
+                options: ParallelizeOptions | None = None) -> nn.Module:
+    """Apply the steps of STEPS to `model` in order and return it (sharded in place).
+
+    Args:
+        model: a transformers model, or a PEFT model wrapping one.
+        dims: the built ParallelDims (`dims.build_mesh(...)` called), or None for a single process without a
+            mesh: then only the memory steps apply.
+        config: the settings of this model (its trainer's).
+        options: facts of the run the steps need (mixed-precision dtype, layer classes, rank-0 loading).
+    """
+    options = options or ParallelizeOptions()
+    model_type = getattr(getattr(unwrap_hf_model(model), "config", None), "model_type", None)
+    for name, step in STEPS:
+        model = _OVERRIDES.get((model_type, name), step)(model, dims, config, options)
+    return model

@@ -1,0 +1,123 @@
+"""Whose settings apply while a model runs: the config a trainer (or apply_to_model) gave that model.
+
+The kernels are patched into model classes once, for the whole process, so two models of one class (a trained
+policy and its frozen reference, two trainers in one notebook, an HPO sweep) share the patched code. What differs
+is the config each was given: `attach(model, config)` keeps it on the model and makes it *current* while that
+model runs (forward hooks on the model, its backbone and each decoder layer, so a layer recomputed in backward by
+activation checkpointing sees it too). Every patched function asks `current()` and runs HF's original code for
+an op that config switches off. Code outside any attached model sees the process config (`enable()`'s).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..config import MindSpeedConfig
+from ..ops import registry
+
+_running: contextvars.ContextVar[MindSpeedConfig | None] = contextvars.ContextVar("mindspeed_hf_config", default=None)
+_process: dict[str, MindSpeedConfig | None] = {"config": None}
+
+
+def set_process_config(config: MindSpeedConfig | None) -> None:
+    """The config of models that were not given one (what enable() was called with)."""
+    _process["config"] = config
+
+
+def process_config() -> MindSpeedConfig | None:
+    return _process["config"]
+
+
+def current() -> MindSpeedConfig:
+    """The config of the model running now, else the process config, else the defaults."""
+    return _running.get() or _process["config"] or _DEFAULT
+
+
+_DEFAULT = MindSpeedConfig()
+
+
+def kernel_on(op: str) -> bool:
+    """True when the current config runs `op` (a KernelConfig switch name) on the fused kernel."""
+    return bool(getattr(current().kernels, op))
+
+
+def config_of(model: nn.Module) -> MindSpeedConfig:
+    """The config attached to `model` (or the process one)."""
+    return getattr(model, "_mindspeed_config", None) or _process["config"] or _DEFAULT
+
+
+def _enter(config: MindSpeedConfig) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        tokens = (_running.set(config), registry.use_backend(None if config.backend == "auto" else config.backend))
+        module.__dict__.setdefault("_mindspeed_tokens", []).append(tokens)
+
+    hook._mindspeed_scope = True
+    return hook
+
+
+def _leave(module: nn.Module, args: Any, output: Any) -> None:
+    stack = module.__dict__.get("_mindspeed_tokens")
+    if stack:
+        config_token, backend_token = stack.pop()
+        registry.reset_backend(backend_token)
+        _running.reset(config_token)
+
+
+_leave._mindspeed_scope = True
+
+
+def _scoped_modules(hf_model: nn.Module) -> list[nn.Module]:
+    """The model, its backbone (TRL calls it directly) and every decoder layer (recomputed alone in backward)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    found = {id(hf_model): hf_model}
+    base = getattr(hf_model, "base_model", None)
+    if isinstance(base, nn.Module):
+        found.setdefault(id(base), base)
+    for module in hf_model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            found.setdefault(id(module), module)
+    return list(found.values())
+
+
+def attach(hf_model: nn.Module, config: MindSpeedConfig) -> None:
+    """Give `hf_model` its own config: current while it (or one of its layers) runs. Calling it again replaces
+    the config; `detach` removes it."""
+    detach(hf_model)
+    if config.backend != "auto":
+        registry.validate_backend_name(config.backend, "backend")
+    for module in _scoped_modules(hf_model):
+        module.register_forward_pre_hook(_enter(config))
+        module.register_forward_hook(_leave, always_call=True)
+    hf_model._mindspeed_config = config
+
+
+def detach(hf_model: nn.Module) -> None:
+    """Remove what `attach` added (the model then follows the process config). Finds the hooks by their mark,
+    so it also cleans a deep copy of an attached model."""
+    for module in hf_model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key in [k for k, fn in hooks.items() if getattr(fn, "_mindspeed_scope", False)]:
+                del hooks[key]
+                module._forward_hooks_always_called.pop(key, None)
+    hf_model.__dict__.pop("_mindspeed_config", None)
+
+
+def switch(op: str, fast: Callable, original: Callable) -> Callable:
+    """A function that runs `fast` when the current config has `op` on, else `original` (HF's own).
+
+    It presents the original's name, signature and annotations (functools.wraps), so code that inspects a patched
+    forward (Trainer's dataset columns and loss kwargs, transformers' output-field checks) sees HF's."""
+
+    @functools.wraps(original)
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        return (fast if kernel_on(op) else original)(*args, **kwargs)
+
+    dispatch._mindspeed_op = op
+    dispatch._mindspeed_fast = fast
+    return dispatch

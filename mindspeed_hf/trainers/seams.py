@@ -1,0 +1,114 @@
+"""Every name of transformers' (and accelerate's) internals the Trainer integration depends on, in one list.
+
+The integration keeps Trainer's own code paths (checkpoint writing, rotation, RNG state, best-model tracking) and
+adds ours around them; where it must replace a private method, or read or set a private attribute, the name is
+listed here with the reason. `check()` runs when the wiring is installed: a listed name that the installed release
+should have but does not fails loudly, naming the release, instead of letting HF's code run on sharded parameters.
+tests/trainer/test_seams.py checks each name against the installed packages, so a rename shows up as a failing test.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from packaging.version import Version
+
+__all__ = ["SEAMS", "Seam", "check", "missing"]
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One internal name we use. `kind`: "method" (a Trainer method we wrap or replace), "attribute" (a name
+    Trainer's own code reads, found in its source), "accelerate" (an accelerate internal)."""
+
+    name: str
+    kind: str
+    why: str
+    since: str = "4.57"  # first transformers release (in our range) that has it
+
+
+SEAMS: tuple[Seam, ...] = (
+    # wrapped: Trainer's own body runs, ours runs around it
+    Seam("create_accelerator_and_postprocess", "method",
+         "accelerator created without accelerate's FSDP plugin (we shard); it keeps our sharded model unwrapped"),
+    Seam("evaluation_loop", "method", "groups left gathered by an evaluation forward are resharded afterwards"),
+    Seam("save_model", "method", "a sharded model is saved as consolidated safetensors / model shards (DCP)"),
+    Seam("_save_checkpoint", "method", "Trainer writes the checkpoint; we mark it COMPLETE once every rank is done"),
+    # replaced while the model is FSDP2-sharded: Trainer's versions would treat DTensors as whole tensors
+    Seam("_save_optimizer_and_scheduler", "method", "optimizer shards through DCP, not one rank's torch.save"),
+    Seam("_load_from_checkpoint", "method", "model shards read back through DCP"),
+    Seam("_load_optimizer_and_scheduler", "method", "optimizer shards read back through DCP"),
+    Seam("_load_best_model", "method", "the best checkpoint's shards read back into the sharded model"),
+    Seam("_move_model_to_device", "method", "a sharded model owns its placement (`.to()` would undo cpu_offload)"),
+    Seam("_defer_fsdp_gradient_reduction", "method",
+         "gradient accumulation reduces once per step (HSDP: reduce-scatter per micro-batch, all-reduce once); "
+         "older releases reduce every micro-batch, which gives the same result", since="5.0"),
+    # read by Trainer's own code
+    Seam("is_distributed_loading_by_transformers", "attribute",
+         "set on a sharded model: Trainer then leaves placement and gradient reduction to the model", since="5.0"),
+    Seam("_is_fsdp_managed_module", "attribute",
+         "set on a sharded model: generate() keeps the ranks in step and accumulation defers the reduction"),
+    # accelerate internals
+    Seam("AcceleratorState._reset_state", "accelerate",
+         "drop an FSDP plugin an earlier Accelerator left in accelerate's process-wide state"),
+)
+
+
+def _transformers_version() -> Version:
+    import transformers
+
+    return Version(transformers.__version__)
+
+
+# Where transformers reads the attributes we set: the Trainer, and its FSDP helpers (moved in 5.0).
+_READERS = ("transformers.trainer", "transformers.distributed.fsdp", "transformers.integrations.fsdp")
+
+
+def _reader_modules() -> list:
+    import importlib
+
+    found = []
+    for name in _READERS:
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return found
+
+
+def _present(seam: Seam) -> bool:
+    if seam.kind == "method":
+        from transformers import Trainer
+
+        return callable(getattr(Trainer, seam.name, None))
+    if seam.kind == "attribute":
+        return any(seam.name in inspect.getsource(module) for module in _reader_modules())
+    owner, attribute = seam.name.split(".")
+    import accelerate.state
+
+    return callable(getattr(getattr(accelerate.state, owner, None), attribute, None))
+
+
+def missing(version: Version | None = None) -> list[Seam]:
+    """The seams the installed releases should have (by `since`) but do not."""
+    version = version or _transformers_version()
+    return [s for s in SEAMS if version >= Version(s.since) and not _present(s)]
+
+
+def available(name: str) -> bool:
+    """True when the installed transformers has seam `name` (a seam newer than it is simply not used)."""
+    seam = next(s for s in SEAMS if s.name == name)
+    return _transformers_version() >= Version(seam.since) and _present(seam)
+
+
+def check() -> None:
+    """Fail loudly, naming the release, when a seam is gone (called when the Trainer wiring is installed)."""
+    gone = missing()
+    if gone:
+        import transformers
+
+        names = ", ".join(f"{s.name} ({s.why})" for s in gone)
+        raise RuntimeError(f"mindspeed_hf: transformers {transformers.__version__} no longer has {names}; this "
+                           "release of mindspeed_hf supports transformers 4.57 to 5.x - install one of those, or "
+                           "set MINDSPEED_HF_AUTO=0 to run without the accelerator")
