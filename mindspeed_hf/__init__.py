@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
+from . import versions
 from .config import MindSpeedConfig, load_config
 from .patches import apply_to_model, disable, enable, is_enabled, report
 from .patches.apply import active_config
@@ -56,4 +57,9 @@ __all__ = [
 ]
 
 if os.environ.get("MINDSPEED_HF_AUTO", "1").strip().lower() not in ("0", "false", "no", "off"):
-    enable()
+    _outside = versions.unsupported()
+    if _outside:  # run as plain Hugging Face rather than fail somewhere obscure
+        _logger.warning("mindspeed_hf: %s is outside the supported range (%s); the accelerator stays off and models "
+                        "run unaccelerated", "; ".join(_outside), versions.describe())
+    else:
+        enable()

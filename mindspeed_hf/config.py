@@ -229,10 +229,12 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- layers
 @dataclass
 class Layer:
-    """Settings from one source: `values` maps setting paths (`parallel.dp_shard`) to values."""
+    """Settings from one source: `values` maps setting paths (`parallel.dp_shard`) to values; `names` says how the
+    source spells a setting (`mindspeed_dp_shard`, `MINDSPEED_HF_PARALLEL_DP_SHARD`), for messages."""
 
     source: str
     values: dict[str, Any]
+    names: dict[str, str] = field(default_factory=dict)
 
 
 def _parse_env_value(setting: Setting, text: str, name: str | None = None) -> Any:
@@ -256,8 +258,9 @@ def _parse_env_value(setting: Setting, text: str, name: str | None = None) -> An
 def env_layer(env: Mapping[str, str] | None = None) -> Layer:
     """MINDSPEED_HF_<SECTION>_<KEY> (and MINDSPEED_HF_BACKEND) variables."""
     env = os.environ if env is None else env
-    values = {s.path: _parse_env_value(s, env[s.env]) for s in _SETTINGS.values() if env.get(s.env)}
-    return Layer("environment (MINDSPEED_HF_*)", values)
+    found = [s for s in _SETTINGS.values() if env.get(s.env)]
+    return Layer("environment (MINDSPEED_HF_*)", {s.path: _parse_env_value(s, env[s.env]) for s in found},
+                 {s.path: s.env for s in found})
 
 
 def yaml_layer(source: str | os.PathLike | Mapping[str, Any] | None = None,
@@ -277,6 +280,7 @@ def yaml_layer(source: str | os.PathLike | Mapping[str, Any] | None = None,
 
 
 # accelerate launch exports an accelerate YAML as these variables; the ones our settings mean too.
+ACCELERATE_SOURCE = "accelerate launch environment"
 _ACCELERATE_SIZES = {"parallel.dp_replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
                      "parallel.dp_shard": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
                      "parallel.cp": "PARALLELISM_CONFIG_CP_SIZE"}
@@ -286,21 +290,23 @@ _ACCELERATE_FSDP = {"parallel.reshard_after_forward": "FSDP_RESHARD_AFTER_FORWAR
 
 
 def accelerate_env_layer(env: Mapping[str, str] | None = None) -> Layer:
-    """What an `accelerate launch` config says about our settings (PARALLELISM_CONFIG_*_SIZE, and FSDP_* for an
-    FSDP version 2 config)."""
+    """What an `accelerate launch` config says about our settings (PARALLELISM_CONFIG_*_SIZE with
+    ACCELERATE_USE_PARALLELISM_CONFIG, and FSDP_* for an FSDP version 2 config)."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    sizes = env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() in ("1", "true")  # as accelerate reads them
     for path, name in _ACCELERATE_SIZES.items():
-        if env.get(name):
-            values[path] = _parse_env_value(_SETTINGS[path], env[name], name)
+        if sizes and env.get(name):
+            values[path], names[path] = _parse_env_value(_SETTINGS[path], env[name], name), name
     fsdp2 = env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") and env.get("FSDP_VERSION", "1") == "2"
     for path, name in _ACCELERATE_FSDP.items():
         if fsdp2 and env.get(name):
             text = env[name].strip().lower()
             # accelerate writes FSDP1 sharding-strategy names into the reshard variable for older configs
             text = {"full_shard": "true", "shard_grad_op": "false", "no_shard": "false"}.get(text, text)
-            values[path] = _parse_env_value(_SETTINGS[path], text, name)
-    return Layer("accelerate launch environment", values)
+            values[path], names[path] = _parse_env_value(_SETTINGS[path], text, name), name
+    return Layer(ACCELERATE_SOURCE, values, names)
 
 
 @dataclass
@@ -309,9 +315,18 @@ class ResolvedConfig:
 
     config: MindSpeedConfig
     sources: dict[str, str]  # setting path -> layer source
+    names: dict[str, str] = field(default_factory=dict)  # setting path -> how that source spells it
 
     def is_set(self, path: str) -> bool:
         return path in self.sources
+
+    def value(self, path: str) -> Any:
+        section, _, key = path.rpartition(".")
+        return getattr(getattr(self.config, section) if section else self.config, key)
+
+    def describe(self, path: str) -> str:
+        """`mindspeed_dp_shard=4 (training arguments (mindspeed_*))`: the setting as its source spelled it."""
+        return f"{self.names.get(path, path)}={self.value(path)!r} ({self.sources.get(path, 'default')})"
 
 
 def resolve(explicit: list[Layer] | None = None, *, yaml_source: Any = None, env: Mapping[str, str] | None = None,
@@ -328,20 +343,21 @@ def resolve(explicit: list[Layer] | None = None, *, yaml_source: Any = None, env
         layers = [accelerate_env_layer(env), yaml_layer(yaml_source, env), env_layer(env)]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for layer in layers:
+    names: dict[str, str] = {}
+    chosen: set[str] = set()
+    for rank, layer in [(0, layer) for layer in layers] + [(1, layer) for layer in explicit or []]:
         for path, value in layer.values.items():
+            if rank and path in chosen and values[path] != value:
+                raise ValueError(f"{sources[path]} sets {path}={values[path]!r} but {layer.source} sets "
+                                 f"{value!r}; set it in one place only")
             if path in values and values[path] != value:
                 logger.info("mindspeed_hf: %s=%r from the %s overrides %r from the %s", path, value, layer.source,
                             values[path], sources[path])
             values[path], sources[path] = value, layer.source
-    chosen: dict[str, str] = {}
-    for layer in explicit or []:
-        for path, value in layer.values.items():
-            if path in chosen and values[path] != value:
-                raise ValueError(f"{chosen[path]} sets {path}={values[path]!r} but {layer.source} sets "
-                                 f"{value!r}; set it in one place only")
-            values[path], sources[path], chosen[path] = value, layer.source, layer.source
-    return ResolvedConfig(_build(values), sources)
+            names[path] = layer.names.get(path, path)
+            if rank:
+                chosen.add(path)
+    return ResolvedConfig(_build(values), sources, names)
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None) -> MindSpeedConfig:

@@ -81,3 +81,37 @@ def test_standin_torch_npu_alone_is_not_an_npu():
     assert device.dist_backend("npu") == "hccl"
     with pytest.raises(ValueError, match="valid choices"):
         device.dist_backend("tpu")
+
+
+def test_outside_the_supported_versions_import_warns_and_stays_off():
+    """An unsupported transformers: `import mindspeed_hf` warns once and patches nothing; enable() says why."""
+    import subprocess
+    import sys
+
+    from child_runs import child_env
+
+    script = ("import importlib.metadata as m\n"
+              "real = m.version\n"
+              "m.version = lambda p: '4.40.0' if p == 'transformers' else real(p)\n"
+              "import mindspeed_hf\n"
+              "print('enabled', mindspeed_hf.is_enabled())\n"
+              "try:\n"
+              "    mindspeed_hf.enable()\n"
+              "except RuntimeError as err:\n"
+              "    print('refused', err)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=child_env(True, quiet=False), capture_output=True,
+                          text=True, timeout=300)
+    assert "enabled False" in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.count("transformers 4.40.0 (supported: >=4.57,<6) is outside the supported range") == 1
+    assert "refused mindspeed_hf: transformers 4.40.0 (supported: >=4.57,<6)" in proc.stdout
+
+
+def test_supported_ranges_match_the_package_metadata():
+    from pathlib import Path
+
+    from mindspeed_hf import versions
+
+    setup = (Path(__file__).parents[1] / "setup.cfg").read_text()
+    for package, (low, high) in versions.SUPPORTED.items():
+        assert f"{package}>={low},<{high}" in setup
+    assert versions.unsupported() == []

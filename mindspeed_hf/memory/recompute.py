@@ -6,6 +6,8 @@ import logging
 
 from torch import nn
 
+from ..compat import enable_activation_checkpointing
+
 logger = logging.getLogger("mindspeed_hf")
 
 
@@ -15,12 +17,7 @@ def enable_recompute(model: nn.Module) -> None:
     Non-reentrant because the reentrant variant needs inputs that require grad (breaks frozen-base LoRA) and
     does not compose with FSDP2.
     """
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    else:
+    if not enable_activation_checkpointing(model, {"use_reentrant": False}):
         logger.warning("mindspeed_hf: recompute asked for, but %s has no activation checkpointing switch; it is off",
                        type(model).__name__)
         return

@@ -40,6 +40,11 @@ class VarlenInfo:
     def num_tokens(self) -> int:
         return self.cu_seqlens[-1] if self.cu_seqlens else 0
 
+    def is_dense(self, batch: int) -> bool:
+        """Every position of the [batch, S] batch is a real token and every row is one whole sequence: the plain
+        causal batch, for which no description is needed."""
+        return self.indices is None and len(self.cu_seqlens) == batch and self.num_tokens == self.total
+
 
 def build_varlen_info(source: torch.Tensor, kind: str) -> VarlenInfo:
     """Compute a VarlenInfo (one host sync). `kind` says what `source` is:

@@ -104,8 +104,13 @@ def enable(config: MindSpeedConfig | None = None) -> None:
     MINDSPEED_HF_CONFIG, the MINDSPEED_HF_* variables and the defaults): the settings of every model that was not
     given its own (a trainer gives its model the trainer's config). Idempotent; enabling again with another config
     only changes the process config."""
+    from .. import versions
     from ..config import load_config
 
+    outside = versions.unsupported()
+    if outside:
+        raise RuntimeError(f"mindspeed_hf: {'; '.join(outside)} is outside the supported range "
+                           f"({versions.describe()}); install a supported release")
     _state["explicit"] = config
     config = config or load_config()
     registry.set_backend(config.backend)  # validated here, before any model is touched

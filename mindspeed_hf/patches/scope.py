@@ -3,9 +3,9 @@
 The kernels are patched into model classes once, for the whole process, so two models of one class (a trained
 policy and its frozen reference, two trainers in one notebook, an HPO sweep) share the patched code. What differs
 is the config each was given: `attach(model, config)` keeps it on the model and makes it *current* while that
-model runs (forward hooks on the model, its backbone and each decoder layer, so a layer recomputed in backward by
-activation checkpointing sees it too). Every patched function asks `current()` and runs HF's original code for
-an op that config switches off. Code outside any attached model sees the process config (`enable()`'s).
+model runs (forward hooks on the model, its backbone and the parts of each decoder layer, so a layer recomputed
+in backward by activation checkpointing sees it too). Every patched function asks `current()` and runs HF's
+original code for an op that config switches off. Code outside any attached model sees the process config.
 """
 
 from __future__ import annotations
@@ -72,7 +72,9 @@ _leave._mindspeed_scope = True
 
 
 def _scoped_modules(hf_model: nn.Module) -> list[nn.Module]:
-    """The model, its backbone (TRL calls it directly) and every decoder layer (recomputed alone in backward)."""
+    """The model, its backbone (TRL calls it directly), and every decoder layer's direct children: activation
+    checkpointing reruns a layer's forward body in backward (transformers 5 checkpoints `forward`, outside the
+    layer's own hooks), and the children's hooks run again there."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     found = {id(hf_model): hf_model}
@@ -81,7 +83,8 @@ def _scoped_modules(hf_model: nn.Module) -> list[nn.Module]:
         found.setdefault(id(base), base)
     for module in hf_model.modules():
         if isinstance(module, GradientCheckpointingLayer):
-            found.setdefault(id(module), module)
+            for child in (module, *module.children()):
+                found.setdefault(id(child), child)
     return list(found.values())
 
 

@@ -28,22 +28,23 @@ def hf_fsdp_layer(args: TrainingArguments) -> Layer:
     """What plain TrainingArguments state about our settings: `fsdp_config` (version 2: reshard_after_forward;
     cpu_offload, activation_checkpointing) and `parallelism_config` sizes."""
     values: dict[str, Any] = {}
+    names: dict[str, str] = {}
     plugin = getattr(args, "fsdp_plugin_args", None)
     if getattr(args, "fsdp", None) and plugin is not None and int(plugin.get("fsdp_version", 2)) == 2:
         stated = getattr(args, "fsdp_config", None) or {}
         if stated.get("reshard_after_forward") is not None:  # HF fills a default in; only a stated one counts
             values["parallel.reshard_after_forward"] = _flag(stated["reshard_after_forward"])
-        if _flag(plugin.get("cpu_offload", False)):
-            values["parallel.cpu_offload"] = True
-        if _flag(plugin.get("activation_checkpointing", False)):
-            values["memory.recompute"] = True
+            names["parallel.reshard_after_forward"] = "fsdp_config['reshard_after_forward']"
+        for path, key in (("parallel.cpu_offload", "cpu_offload"), ("memory.recompute", "activation_checkpointing")):
+            if _flag(plugin.get(key, False)):
+                values[path], names[path] = True, f"fsdp_config['{key}']"
     pc = getattr(args, "parallelism_config", None)
     if pc is not None:
         for ours, theirs in (("dp_replicate", "dp_replicate_size"), ("dp_shard", "dp_shard_size"), ("cp", "cp_size")):
             size = getattr(pc, theirs, None)
             if size is not None:
-                values[f"parallel.{ours}"] = int(size)
-    return Layer("TrainingArguments (fsdp_config / parallelism_config)", values)
+                values[f"parallel.{ours}"], names[f"parallel.{ours}"] = int(size), f"parallelism_config.{theirs}"
+    return Layer("TrainingArguments (fsdp_config / parallelism_config)", values, names)
 
 
 def resolve_for(args: TrainingArguments | None, base: MindSpeedConfig | None = None) -> ResolvedConfig:
@@ -72,7 +73,7 @@ class _MindSpeedFields:
             value = getattr(self, setting.argument)
             if value is not None:
                 values[setting.path] = value.lower() if setting.key == "backend" else value
-        return Layer(ARGUMENTS_SOURCE, values)
+        return Layer(ARGUMENTS_SOURCE, values, {path: f"mindspeed_{path.rpartition('.')[2]}" for path in values})
 
     def mindspeed_resolved(self) -> ResolvedConfig:
         """The config these arguments give, with where each setting came from."""

@@ -69,12 +69,9 @@ def build_dims(trainer: Any) -> parallel.ParallelDims:
     return dims
 
 
-def mark_sharded(trainer: Any, model: nn.Module) -> None:
-    """After parallelize: tell Trainer the model owns its placement and gradient reduction (5.x reads this from
-    the model it is given), and log what was built."""
+def log_sharded(trainer: Any) -> None:
+    """After parallelize: say what was built."""
     state: FsdpState = trainer._mindspeed_fsdp
-    if seams.available("is_distributed_loading_by_transformers"):
-        model.is_distributed_loading_by_transformers = True
     p = trainer._mindspeed_config.parallel
     logger.info("mindspeed_hf: FSDP2 on %s (requested by %s): dp_replicate=%d dp_shard=%d, reshard_after_forward=%s,"
                 " cpu_offload=%s, param dtype %s", state.device_type, "; ".join(state.plan.sources),
@@ -83,12 +80,17 @@ def mark_sharded(trainer: Any, model: nn.Module) -> None:
 
 
 def check_after_init(trainer: Any) -> None:
-    """Once Trainer.__init__ is done: refuse an optimizer built on the unsharded parameters."""
+    """Once Trainer.__init__ is done: refuse an optimizer built on the unsharded parameters, and (5.x) take
+    Trainer's path for a model that owns its placement and gradient reduction."""
     if getattr(trainer, "_mindspeed_fsdp_plan", None) is None:
         return
     if trainer.optimizer is not None or trainer.lr_scheduler is not None:
         raise ValueError("mindspeed_hf FSDP2: `optimizers` passed to Trainer were built on the unsharded "
                          "parameters; let Trainer create them (or override create_optimizer)")
+    if seams.available("is_distributed_loading_by_transformers"):
+        # Set on the trainer, after __init__: on the model it would also mean "sharded by from_pretrained", for
+        # which Trainer refuses optimizer checkpoints; older releases get the same from _keep_sharded.
+        trainer.is_distributed_loading_by_transformers = True
 
 
 # ---------------------------------------------------------------------------------------------- accelerate
@@ -108,6 +110,7 @@ def _world_visible_to_accelerate(args: Any) -> Iterator[None]:
     args.use_cpu = True
     args.__dict__.pop("_setup_devices", None)  # a cached_property: recompute it
     try:
+        args._setup_devices  # noqa: B018
         if args.world_size != world:
             raise RuntimeError(f"mindspeed_hf FSDP2: accelerate still sees {args.world_size} processes, not {world}")
         yield

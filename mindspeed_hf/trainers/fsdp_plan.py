@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import parallel
-from ..config import ResolvedConfig
+from ..config import ACCELERATE_SOURCE, ResolvedConfig
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -120,8 +120,8 @@ def _sizes(resolved: ResolvedConfig, world: int) -> parallel.ParallelDims:
     try:
         return parallel.ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size=world)
     except ValueError as err:
-        given = ", ".join(f"{path}={getattr(p, path.split('.')[1])} ({resolved.sources[path]})"
-                          for path in _SIZE_PATHS if resolved.is_set(path)) or "the defaults"
+        given = ", ".join(resolved.describe(path) for path in _SIZE_PATHS if resolved.is_set(path))
+        given = given or "the defaults"
         raise ValueError(f"mindspeed_hf parallel sizes from {given}: {err}") from err
 
 
@@ -130,11 +130,11 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
     """Whether (and how) this trainer's model is sharded with FSDP2; None leaves Trainer exactly as it is.
 
     FSDP is asked for by TrainingArguments `fsdp` (version 2), by `accelerate launch` (ACCELERATE_USE_FSDP with
-    FSDP_VERSION 2), or by any parallel size set in the resolved config (arguments, MINDSPEED_HF_*, YAML, or
-    accelerate's PARALLELISM_CONFIG_*). Sizes and knobs are the resolved config's (mindspeed_hf.config gives the
-    precedence). Raises ValueError (naming the settings) for FSDP version 1 together with our sizes, different
-    versions or layer classes from two sources, tensor/sequence parallel sizes, and sizes that do not tile the
-    world.
+    FSDP_VERSION 2), or by a parallel size set in our own settings (arguments, MINDSPEED_HF_*, YAML); accelerate's
+    PARALLELISM_CONFIG_* sizes then shape the mesh too. Sizes and knobs are the resolved config's
+    (mindspeed_hf.config gives the precedence). Raises ValueError (naming the settings) for FSDP version 1
+    together with our sizes, different versions or layer classes from two sources, tensor/sequence parallel
+    sizes, and sizes that do not tile the world.
     """
     env = os.environ if env is None else env
     world = world_size_from(env) if world_size is None else world_size
@@ -144,15 +144,16 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
                          f"{requests[1]['source']} (FSDP_VERSION) for version {requests[1]['version']}")
     hf = requests[0] if requests else None
     sizes_set = {path: resolved.sources[path] for path in _SIZE_PATHS if resolved.is_set(path)}
+    # accelerate's own sizes configure our mesh once FSDP is asked for; alone they are accelerate's business
+    ours = {path: source for path, source in sizes_set.items() if source != ACCELERATE_SOURCE}
     if hf and hf["version"] != 2:
-        if sizes_set:
+        if ours:
             raise ValueError(f"{hf['source']} asks for FSDP version {hf['version']}, which cannot be combined with "
-                             f"the mindspeed_hf parallel sizes {sorted(sizes_set)} (from "
-                             f"{', '.join(sizes_set.values())}): mindspeed_hf shards with FSDP2; valid choices: fsdp "
-                             "version 2, or no parallel sizes")
+                             f"the mindspeed_hf parallel sizes {sorted(ours)} (from {', '.join(ours.values())}): "
+                             "mindspeed_hf shards with FSDP2; valid choices: fsdp version 2, or no parallel sizes")
         logger.info("mindspeed_hf: FSDP version %s is left to accelerate", hf["version"])
         return None
-    if hf is None and not sizes_set:
+    if hf is None and not ours:
         return None
     _refuse_other_axes(args, env)
     dims = _sizes(resolved, world)

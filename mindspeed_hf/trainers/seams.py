@@ -20,7 +20,8 @@ __all__ = ["SEAMS", "Seam", "check", "missing"]
 @dataclass(frozen=True)
 class Seam:
     """One internal name we use. `kind`: "method" (a Trainer method we wrap or replace), "attribute" (a name
-    Trainer's own code reads, found in its source), "accelerate" (an accelerate internal)."""
+    Trainer's own code reads, found in its source), "arguments" (a TrainingArguments member), "accelerate" (an
+    accelerate internal)."""
 
     name: str
     kind: str
@@ -46,9 +47,14 @@ SEAMS: tuple[Seam, ...] = (
          "older releases reduce every micro-batch, which gives the same result", since="5.0"),
     # read by Trainer's own code
     Seam("is_distributed_loading_by_transformers", "attribute",
-         "set on a sharded model: Trainer then leaves placement and gradient reduction to the model", since="5.0"),
+         "set on the trainer of a sharded model: Trainer then leaves placement and gradient reduction to the model",
+         since="5.0"),
     Seam("_is_fsdp_managed_module", "attribute",
          "set on a sharded model: generate() keeps the ranks in step and accumulation defers the reduction"),
+    # TrainingArguments internals
+    Seam("_setup_devices", "arguments",
+         "recomputed once with use_cpu on CPU under torchrun, so accelerate counts every process (use_cpu is given "
+         "back afterwards)"),
     # accelerate internals
     Seam("AcceleratorState._reset_state", "accelerate",
          "drop an FSDP plugin an earlier Accelerator left in accelerate's process-wide state"),
@@ -84,6 +90,10 @@ def _present(seam: Seam) -> bool:
         return callable(getattr(Trainer, seam.name, None))
     if seam.kind == "attribute":
         return any(seam.name in inspect.getsource(module) for module in _reader_modules())
+    if seam.kind == "arguments":
+        from transformers import TrainingArguments
+
+        return seam.name in vars(TrainingArguments)
     owner, attribute = seam.name.split(".")
     import accelerate.state
 

@@ -74,7 +74,7 @@ def prepare_model(trainer: Trainer, model: nn.Module) -> nn.Module:
                                  broadcast_from_rank0=bool(plan and plan.cpu_ram_efficient_loading))
     model = parallelize(model, dims, config, options)
     if dims is not None:
-        fsdp.mark_sharded(trainer, model)
+        fsdp.log_sharded(trainer)
     return model
 
 

@@ -138,15 +138,18 @@ def test_save_model_loads_with_from_pretrained(root, train):
 
 
 def test_sharded_checkpoint_and_resume(root, train, env_run):
-    files = train["ms"]["ckpt_files"]
-    assert "COMPLETE" in files and "trainer_state.json" in files and "rng_state_1.pth" in files
-    assert any(f.endswith(".distcp") for f in files) and "model.safetensors" not in files
+    files = train["ms"]["ckpt_files"]  # Trainer's own checkpoint, with the model and optimizer as DCP shards
+    for name in ("COMPLETE", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt",
+                 "training_args.bin", "pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"):
+        assert name in files, (name, files)
+    assert any(f.startswith("pytorch_model_fsdp_0/") and f.endswith(".distcp") for f in files)
+    assert "model.safetensors" not in files and "optimizer.pt" not in files
     assert "checkpoint-3" in env_run["incomplete_error"] and "COMPLETE" in env_run["incomplete_error"]
-    r = env_run["resume"]  # checkpoint-4 was "interrupted" (staging), checkpoint-3 unmarked: resumes from 2
+    r = env_run["resume"]  # checkpoint-4 was "interrupted" (no marker), checkpoint-3 unmarked: resumes from 2
     assert r["steps"] == 4 and len(r["losses"]) == 2
     _close(r["losses"], train["ms"]["losses"][2:4])
     assert _param_diff(root, "resume", "ms") < TOL
-    assert "checkpoint-4" in r["dirs"] and "checkpoint-4.tmp" not in r["dirs"]  # re-saved, published
+    assert "checkpoint-4" in r["complete"] and "checkpoint-3" not in r["complete"]  # re-saved, marked
 
 
 def test_lora(root, reference, train):
@@ -194,10 +197,17 @@ def test_example_under_torchrun_matches_single_process(script, how, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- the request
 def _plan(args=None, world: int = 2, env: dict | None = None, **parallel):
-    from mindspeed_hf.config import load_config
+    """The plan for `args`, with `parallel` as the YAML file's section and `env` as the whole environment."""
+    from mindspeed_hf.config import resolve
+    from mindspeed_hf.trainers.arguments import hf_fsdp_layer
     from mindspeed_hf.trainers.fsdp import resolve_plan
 
-    return resolve_plan(args, load_config({"parallel": parallel}), env=env or {}, world_size=world)
+    env = env or {}
+    explicit = [hf_fsdp_layer(args)] if args is not None else []
+    if hasattr(args, "mindspeed_layer"):
+        explicit.append(args.mindspeed_layer())
+    resolved = resolve(explicit, yaml_source={"parallel": parallel}, env=env)
+    return resolve_plan(args, resolved, env=env, world_size=world)
 
 
 def _hf_args(tmp_path, **kw):
@@ -220,24 +230,47 @@ def test_plan_sources(tmp_path):
     assert plan.reshard_after_forward is False
 
 
+def test_plan_follows_the_precedence(tmp_path):
+    """explicit arguments > MINDSPEED_HF_* > YAML > accelerate launch environment > defaults, for sizes and knobs."""
+    from mindspeed_hf.trainers import MindSpeedTrainingArguments
+
+    env = accelerate_fsdp2_env(tmp_path)  # dp_shard 2, reshard_after_forward true
+    assert _plan(env=env).reshard_after_forward is True
+    assert _plan(env=env, reshard_after_forward=False).reshard_after_forward is False  # YAML over accelerate
+    ours = {**env, "MINDSPEED_HF_PARALLEL_RESHARD_AFTER_FORWARD": "true"}
+    assert _plan(env=ours, reshard_after_forward=False).reshard_after_forward is True  # MINDSPEED_HF_* over YAML
+    args = MindSpeedTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                      mindspeed_reshard_after_forward=False)
+    assert _plan(args, env=ours).reshard_after_forward is False  # arguments over everything
+    plan = _plan(env=env, world=4, dp_replicate=2)  # YAML adds a replicate axis; accelerate's dp_shard stays
+    assert (plan.dp_replicate, plan.dp_shard) == (2, 2)
+
+
 @pytest.mark.parametrize("case,match", [
-    ("v1_with_sizes", r"version 1.*dp_shard"),
-    ("product", r"parallel config.*world_size=2"),
-    ("sizes_disagree", r"PARALLELISM_CONFIG.*contradict|contradictory mesh sizes"),
-    ("knob_disagree", r"reshard_after_forward"),
-    ("cp", r"cp size 2 \(context parallel\)"),
+    ("v1_with_sizes", r"version 1.*parallel\.dp_shard"),
+    ("product", r"parallel\.dp_shard=4 \(config dict\).*world_size=2"),
+    ("accelerate_product", r"PARALLELISM_CONFIG_DP_SHARD_SIZE=2 \(accelerate launch environment\).*world_size=4"),
+    ("explicit_disagree", r"reshard_after_forward=False but training arguments \(mindspeed_\*\) sets True"),
+    ("tp", r"tp size 2 \(tensor parallel\) is not supported"),
+    ("cp", r"parallel\.cp=2: context parallelism is not available"),
 ])
 def test_contradictions_fail_naming_the_settings(case, match, tmp_path):
+    from mindspeed_hf.trainers import MindSpeedTrainingArguments
+
     env = accelerate_fsdp2_env(tmp_path)
     with pytest.raises(ValueError, match=match):
         if case == "v1_with_sizes":
             _plan(_hf_args(tmp_path, fsdp=True, fsdp_config={"fsdp_version": 1}), dp_shard=2)
         elif case == "product":
             _plan(dp_shard=4)
-        elif case == "sizes_disagree":
-            _plan(env=env, dp_replicate=2)
-        elif case == "knob_disagree":
-            _plan(env=env, reshard_after_forward=False)
+        elif case == "accelerate_product":
+            _plan(env=env, world=4)
+        elif case == "explicit_disagree":  # two explicit statements: no precedence between them
+            _plan(MindSpeedTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", fsdp=True,
+                                             fsdp_config={"fsdp_version": 2, "reshard_after_forward": False},
+                                             mindspeed_reshard_after_forward=True))
+        elif case == "tp":
+            _plan(env={**env, "PARALLELISM_CONFIG_TP_SIZE": "2"})
         else:
             _plan(world=4, cp=2)
 

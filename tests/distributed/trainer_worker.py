@@ -3,7 +3,7 @@ single-process Trainer runs they must match. Rank 0 writes a JSON report to --ou
 
   reference (one process, plain HF, no mindspeed_hf): the same trainings on the same global batch.
   train  (2 ranks): MindSpeedTrainer dp_shard=2 (clipping, eval, checkpoints at steps 2 and 4, save_model, then a
-                    simulated crash: checkpoint-4 back to staging and an unmarked checkpoint-3), and again with
+                    simulated crash: checkpoint-4 without its COMPLETE marker and an unmarked checkpoint-3), again with
                     mindspeed_hf's kernels (fused loss on the sharded lm_head); plain Trainer with
                     fsdp="full_shard" + fsdp_config version 2 and gradient accumulation 2; PEFT LoRA.
   hsdp   (4 ranks): MindSpeedTrainer with dp_replicate=2 x dp_shard=2 and gradient accumulation 2.
@@ -170,11 +170,12 @@ def scenario_train(root: str) -> dict:
     trainer.save_model(hf_dir)
     if rank == 0:
         res["export_files"] = sorted(os.listdir(hf_dir))
-        res["ckpt_files"] = sorted(os.listdir(os.path.join(ms_dir, "checkpoint-2")))
+        ckpt = os.path.join(ms_dir, "checkpoint-2")
+        res["ckpt_files"] = sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs)
         loaded = AutoModelForCausalLM.from_pretrained(hf_dir)
         torch.save({n: p.detach() for n, p in loaded.named_parameters()}, os.path.join(root, "ms_export.pt"))
-        # a crash while checkpoint-4 was being published, and an unmarked directory from another crash
-        os.replace(os.path.join(ms_dir, "checkpoint-4"), os.path.join(ms_dir, "checkpoint-4.tmp"))
+        # a crash before checkpoint-4 was marked complete, and an unmarked directory from another crash
+        os.remove(os.path.join(ms_dir, "checkpoint-4", "COMPLETE"))
         os.makedirs(os.path.join(ms_dir, "checkpoint-3"))
         shutil.copy(os.path.join(ms_dir, "checkpoint-2", "trainer_state.json"), os.path.join(ms_dir, "checkpoint-3"))
     out["ms"] = res
@@ -268,6 +269,8 @@ def scenario_env(root: str) -> dict:
     save_params(trainer.model, os.path.join(root, "resume.pt"))
     if rank == 0:
         out["resume"]["dirs"] = sorted(os.listdir(ms_dir))
+        out["resume"]["complete"] = sorted(d for d in out["resume"]["dirs"]
+                                           if os.path.isfile(os.path.join(ms_dir, d, "COMPLETE")))
     return out
 
 

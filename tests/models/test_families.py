@@ -71,6 +71,24 @@ def test_models_built_while_enabled_use_kernels_and_survive_disable():
     model(**padded_batch())  # still runs, unaccelerated
 
 
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_family_built_while_enabled_matches_hf(model_type):
+    """A model built after enable() (what `import mindspeed_hf` does) builds, gets the kernels, and gives the plain
+    model's loss and gradients; its attention is ours exactly where ours can stand in for its sdpa."""
+    batch = padded_batch(left=True)
+    plain = tiny_model(model_type)
+    expected = loss_and_grads(plain, batch)
+    mindspeed_hf.enable()
+    model = tiny_model(model_type)
+    kernels = mindspeed_hf.report(model)["kernels"]
+    assert kernels["rms_norm"] > 0 and kernels["fused_linear_cross_entropy"] == 1
+    replaced = plain.config._attn_implementation == "sdpa" and sdpa_replaceable(plain)
+    assert model.config._attn_implementation == ("mindspeed" if replaced else plain.config._attn_implementation)
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
+    assert_close_grads(expected[1], grads)
+
+
 def test_enable_is_idempotent_and_disable_restores_exactly():
     from transformers.models.llama import modeling_llama
 

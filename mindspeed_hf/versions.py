@@ -1,0 +1,41 @@
+"""The releases of the Hugging Face stack this version of mindspeed_hf supports (the same ranges as setup.cfg;
+CI runs the test suite at both ends: .ci/oldest.txt pins the old end).
+
+Read from the installed metadata, without importing the packages, so the check is cheap and runs before any of
+our patching: outside the range `import mindspeed_hf` warns once and leaves everything unaccelerated.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from packaging.version import Version
+
+#: package -> (lowest supported release, first release not supported)
+SUPPORTED: dict[str, tuple[str, str]] = {
+    "transformers": ("4.57", "6"),
+    "accelerate": ("1.10", "2"),
+    "peft": ("0.17", "1"),
+}
+
+
+def installed(package: str) -> Version | None:
+    try:
+        return Version(metadata.version(package))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def unsupported() -> list[str]:
+    """One phrase per installed package outside its supported range (peft may be absent)."""
+    out = []
+    for package, (low, high) in SUPPORTED.items():
+        version = installed(package)
+        if version is not None and not Version(low) <= version < Version(high):
+            out.append(f"{package} {version} (supported: >={low},<{high})")
+    return out
+
+
+def describe() -> str:
+    """`transformers >=4.57,<6, accelerate >=1.10,<2, peft >=0.17,<1`."""
+    return ", ".join(f"{package} >={low},<{high}" for package, (low, high) in SUPPORTED.items())

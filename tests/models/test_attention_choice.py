@@ -1,0 +1,53 @@
+"""Explicit attention requests win: only the default attention becomes the fused kernel. A model built with
+`attn_implementation="sdpa"` (or switched with `set_attn_implementation`) keeps what was asked for, also when a
+trainer applies its config, and report() says so - as transformers' own model tests expect."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import FAMILY_CONFIGS, tiny_config, tiny_model
+from transformers import AutoModelForCausalLM
+
+import mindspeed_hf
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_explicit_attention_is_kept_and_the_default_becomes_ours(family):
+    hf_default = tiny_model(family).config._attn_implementation
+    mindspeed_hf.enable()
+    expected = "mindspeed" if hf_default == "sdpa" else hf_default  # (a family whose config asks for eager keeps it)
+    assert tiny_model(family).config._attn_implementation == expected
+    choice = hf_default  # sdpa, or eager where HF itself has no sdpa path (gemma2)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation=choice)
+    assert model.config._attn_implementation == choice
+    for other in ("eager", choice):  # switched and back, as transformers' tests do
+        model.set_attn_implementation(other)
+        assert model.config._attn_implementation == other
+    report = mindspeed_hf.apply_to_model(model)  # what a trainer does with the model it is given
+    assert model.config._attn_implementation == choice
+    assert report["kernels"]["attention"] == 0 and report["kept"] == {"attention": f"{choice} (requested explicitly)"}
+    assert report["kernels"]["rms_norm"] > 0  # the other kernels still apply
+
+
+def test_switching_back_to_ours_and_off_again():
+    mindspeed_hf.enable()
+    model = tiny_model("qwen3")
+    model.set_attn_implementation("eager")
+    assert mindspeed_hf.report(model)["kept"] == {"attention": "eager (requested explicitly)"}
+    model.set_attn_implementation("mindspeed")
+    assert model.config._attn_implementation == "mindspeed" and mindspeed_hf.report(model)["kept"] == {}
+
+
+def test_explicit_choice_gives_hf_results():
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    plain = tiny_model("llama").eval()
+    with torch.no_grad():
+        expected = plain(input_ids=ids).logits
+    mindspeed_hf.enable()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="eager").float().eval()
+    model.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    assert model.config._attn_implementation == "eager"
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -1,0 +1,108 @@
+"""Every setting is declared once (mindspeed_hf.config) and reaches the same config field whichever way it is given
+- a MindSpeedTrainingArguments field / command-line flag, the YAML file, a MINDSPEED_HF_* variable, the accelerate
+launch environment - with one precedence: explicit arguments > MINDSPEED_HF_* > YAML > accelerate env > defaults."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from transformers import HfArgumentParser
+
+from mindspeed_hf.config import MindSpeedConfig, resolve, settings
+from mindspeed_hf.trainers import MindSpeedTrainingArguments
+
+# A valid non-default value per setting (cp / ep have none in this release: > 1 is refused, tested elsewhere).
+VALUES = {"backend": "torch", "kernels.loss_chunk_size": 96, "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
+          "parallel.prefetch": 3}
+# The accelerate launch variables that mean one of our settings, as `accelerate launch` exports an FSDP2 config.
+ACCELERATE = {"parallel.dp_replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+              "parallel.dp_shard": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+              "parallel.reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
+              "parallel.cpu_offload": "FSDP_OFFLOAD_PARAMS",
+              "memory.recompute": "FSDP_ACTIVATION_CHECKPOINTING"}
+ACCELERATE_FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
+SETTINGS = [s for s in settings() if s.type is bool or s.path in VALUES]
+
+
+def _value(setting):
+    return (not setting.default) if setting.type is bool else VALUES[setting.path]
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _field(config: MindSpeedConfig, setting):
+    return getattr(config if setting.section is None else getattr(config, setting.section), setting.key)
+
+
+def _nested(setting, value) -> dict:
+    return {setting.key: value} if setting.section is None else {setting.section: {setting.key: value}}
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.path)
+def test_every_way_of_giving_a_setting_reaches_the_same_field(setting, tmp_path):
+    value = _value(setting)
+    (flagged,) = HfArgumentParser(MindSpeedTrainingArguments).parse_args_into_dataclasses(
+        args=["--output_dir", str(tmp_path), f"--{setting.argument}", _text(value)])
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(_nested(setting, value)))
+    ways = {
+        "flag": flagged.mindspeed_resolved(),
+        "yaml": resolve(env={"MINDSPEED_HF_CONFIG": str(tmp_path / "c.yaml")}),
+        "env": resolve(env={setting.env: _text(value)}),
+    }
+    if setting.path in ACCELERATE:
+        ways["accelerate"] = resolve(env={**ACCELERATE_FSDP2, ACCELERATE[setting.path]: _text(value)})
+    for way, resolved in ways.items():
+        assert _field(resolved.config, setting) == value, way
+        assert resolved.is_set(setting.path), way
+        assert resolved.config == _only(setting, value), f"{way} changed other settings"
+
+
+def _only(setting, value) -> MindSpeedConfig:
+    config = MindSpeedConfig()
+    target = config if setting.section is None else getattr(config, setting.section)
+    setattr(target, setting.key, value)
+    return config
+
+
+def test_precedence_on_one_setting(tmp_path):
+    """reshard_after_forward can come from all five places: remove the highest each time."""
+    path = "parallel.reshard_after_forward"
+    (tmp_path / "c.yaml").write_text("parallel: {reshard_after_forward: false}\n")
+    env = {**ACCELERATE_FSDP2, "FSDP_RESHARD_AFTER_FORWARD": "true",  # accelerate: true
+           "MINDSPEED_HF_CONFIG": str(tmp_path / "c.yaml"),  # YAML: false
+           "MINDSPEED_HF_PARALLEL_RESHARD_AFTER_FORWARD": "true"}  # ours: true
+    explicit = MindSpeedTrainingArguments(output_dir=str(tmp_path), mindspeed_reshard_after_forward=False)
+    layers = [explicit.mindspeed_layer()]
+    assert resolve(layers, env=env).sources[path] == "training arguments (mindspeed_*)"
+    assert resolve(layers, env=env).config.parallel.reshard_after_forward is False
+    assert resolve(env=env).config.parallel.reshard_after_forward is True  # MINDSPEED_HF_* over YAML
+    env.pop("MINDSPEED_HF_PARALLEL_RESHARD_AFTER_FORWARD")
+    assert resolve(env=env).config.parallel.reshard_after_forward is False  # YAML over accelerate
+    env.pop("MINDSPEED_HF_CONFIG")
+    resolved = resolve(env=env)
+    assert resolved.config.parallel.reshard_after_forward is True  # accelerate over the default
+    assert resolved.describe(path) == "FSDP_RESHARD_AFTER_FORWARD=True (accelerate launch environment)"
+    env.pop("FSDP_RESHARD_AFTER_FORWARD")
+    assert not resolve(env=env).is_set(path)
+
+
+def test_unset_arguments_leave_the_lower_layers(monkeypatch, tmp_path):
+    (tmp_path / "c.yaml").write_text("kernels: {rope: false}\nparallel: {prefetch: 2}\n")
+    monkeypatch.setenv("MINDSPEED_HF_CONFIG", str(tmp_path / "c.yaml"))
+    args = MindSpeedTrainingArguments(output_dir=str(tmp_path), mindspeed_prefetch=4)
+    config = args.mindspeed_config()
+    assert (config.kernels.rope, config.parallel.prefetch) == (False, 4)
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"MINDSPEED_HF_KERNELS_ROPE": "maybe"}, "MINDSPEED_HF_KERNELS_ROPE='maybe' must be true or false"),
+    ({"MINDSPEED_HF_PARALLEL_PREFETCH": "two"}, "MINDSPEED_HF_PARALLEL_PREFETCH='two' must be an integer"),
+    ({"MINDSPEED_HF_BACKEND": "tpu"}, "backend='tpu' is not valid; choose one of auto, torch, npu, cuda"),
+    ({**ACCELERATE_FSDP2, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "x"}, "PARALLELISM_CONFIG_DP_SHARD_SIZE='x' must be"),
+])
+def test_bad_environment_values_name_the_variable(env, message):
+    with pytest.raises(ValueError) as err:
+        resolve(env=env)
+    assert message in str(err.value)
