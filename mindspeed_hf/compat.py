@@ -34,6 +34,9 @@ def cache_of(outputs: Any) -> Any:
 # ------------------------------------------------------------------------------------------------- causal-LM head
 
 
+_slice_logits_to_keep: Callable | None = getattr(modeling_utils, "slice_logits_to_keep", None)
+
+
 def slice_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """The positions of `hidden_states` [B, S, H] that the lm_head projects, as the causal-LM forwards select them.
 
@@ -44,9 +47,6 @@ def slice_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tenso
         return _slice_logits_to_keep(hidden_states, logits_to_keep)
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     return hidden_states[:, keep, :]
-
-
-_slice_logits_to_keep: Callable | None = getattr(modeling_utils, "slice_logits_to_keep", None)
 
 
 @functools.cache
@@ -222,3 +222,17 @@ def enable_activation_checkpointing(model: nn.Module, checkpoint_kwargs: dict[st
     else:
         return False
     return True
+
+
+@functools.cache
+def training_args_checkpointing_names() -> tuple[str, str]:
+    """The TrainingArguments fields that switch activation checkpointing on and carry its kwargs.
+
+    transformers 5: `activation_checkpointing` / `activation_checkpointing_kwargs` (the `gradient_*` names are
+    deprecated aliases there); 4.57: `gradient_checkpointing` / `gradient_checkpointing_kwargs` only.
+    """
+    from transformers import TrainingArguments  # heavy: only when asked
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    prefix = "activation" if "activation_checkpointing" in fields else "gradient"
+    return f"{prefix}_checkpointing", f"{prefix}_checkpointing_kwargs"

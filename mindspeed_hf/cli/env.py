@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .. import versions
+
 PACKAGES = ("torch", "torch_npu", "transformers", "accelerate", "peft", "trl", "liger-kernel", "datasets",
             "tokenizers", "safetensors", "bitsandbytes")
 
@@ -119,6 +121,7 @@ def env_report() -> str:
         ("MINDSPEED_HF_BACKEND", os.environ.get("MINDSPEED_HF_BACKEND", "unset")),
         ("MINDSPEED_HF_CONFIG", os.environ.get("MINDSPEED_HF_CONFIG", "unset")),
         ("config backend", config.backend),
+        ("supported", versions.describe()),
         ("python", sys.version.split()[0]),
         ("platform", platform.platform()),
         *device_rows(),
@@ -128,9 +131,20 @@ def env_report() -> str:
     return "\n\n".join([
         "## mindspeed_hf environment",
         _table(("setting", "value"), settings),
+        "## Settings that are not defaults (precedence: arguments > MINDSPEED_HF_* > YAML > accelerate env)",
+        _table(("setting", "value", "from"), setting_rows()),
         "## Kernels on this device",
         _table(("op", "implementation", "why"), op_rows()),
     ])
+
+
+def setting_rows() -> list[tuple[str, str, str]]:
+    """Each setting the environment / YAML / accelerate launch sets for this process, and where it came from."""
+    from ..config import resolve
+
+    resolved = resolve()
+    return [(path, repr(resolved.value(path)), f"{resolved.names[path]} ({resolved.sources[path]})")
+            for path in resolved.sources] or [("(none)", "", "all defaults")]
 
 
 def main() -> int:

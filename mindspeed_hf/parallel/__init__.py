@@ -39,6 +39,7 @@ from .dims import (
 )
 from .fsdp import (
     apply_fsdp,
+    defer_gradient_reduction,
     find_decoder_layers,
     get_fsdp_parts,
     local_state_bytes,
@@ -60,6 +61,7 @@ __all__ = [
     "ParallelDims",
     "apply_fsdp",
     "build_meta_model",
+    "defer_gradient_reduction",
     "capture_rng_state",
     "expert_mesh",
     "find_decoder_layers",

@@ -14,8 +14,9 @@ only, so embeddings, norm and ``lm_head`` are left to the root group (kept unsha
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import (
 
 __all__ = [
     "apply_fsdp",
+    "defer_gradient_reduction",
     "find_decoder_layers",
     "get_fsdp_parts",
     "local_state_bytes",
@@ -233,6 +235,21 @@ def apply_fsdp(
             if behind:
                 layer.set_modules_to_backward_prefetch(behind)
     return model
+
+
+@contextlib.contextmanager
+def defer_gradient_reduction(model: nn.Module, hsdp: bool = False) -> Iterator[None]:
+    """Inside: backward accumulates gradients without reducing them across ranks (the micro-batches of one step
+    but the last). With ``hsdp`` each micro-batch is still reduce-scattered inside its replica group, so gradients
+    stay sharded, and only the all-reduce across replicas waits."""
+    if hsdp:
+        model.set_requires_all_reduce(False)
+    else:
+        model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def reshard_model(model: nn.Module) -> nn.Module:

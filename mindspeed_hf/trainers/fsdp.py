@@ -194,7 +194,8 @@ def _save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any
 
 def _save_model(trainer: Any, original: Callable, output_dir: str | None = None, _internal_call: bool = False) -> None:
     """Inside a checkpoint save: this rank's model shards. Otherwise a directory `from_pretrained` loads (PEFT:
-    the adapter only), gathered to rank 0's host memory, with the tokenizer and training arguments."""
+    the adapter only), gathered to rank 0's host memory. Both with the tokenizer and training arguments, as
+    Trainer's own save_model writes them."""
     from transformers.trainer import TRAINING_ARGS_NAME
 
     output_dir = output_dir or trainer.args.output_dir
@@ -205,8 +206,8 @@ def _save_model(trainer: Any, original: Callable, output_dir: str | None = None,
             parallel.unmark(output_dir)  # written over: not complete until the end of this save
         dist.barrier()
         parallel.save_model_shards(trainer.model, os.path.join(output_dir, MODEL_DIR))
-        return
-    parallel.save_hf_consolidated(trainer.model, output_dir)
+    else:
+        parallel.save_hf_consolidated(trainer.model, output_dir)
     if trainer.args.should_save:
         processor = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
         if processor is not None:
@@ -261,19 +262,11 @@ def _move_model_to_device(trainer: Any, original: Callable, model: nn.Module, de
         original(model, device)
 
 
-@contextlib.contextmanager
-def _defer_reduction(trainer: Any, original: Callable) -> Iterator[None]:
-    """Gradient accumulation: no reduction until the last micro-batch (Trainer's own version reads a
+def _defer_reduction(trainer: Any, original: Callable) -> contextlib.AbstractContextManager:
+    """Gradient accumulation: no reduction until the last micro-batch (Trainer's own version reads the mesh from a
     transformers DistributedConfig that our model does not have)."""
-    model, dims = trainer.model, trainer._mindspeed_fsdp.dims
-    if dims.dp_replicate > 1 and dims.fsdp_size > 1:  # HSDP: reduce-scatter now, all-reduce at the last one
-        model.set_requires_all_reduce(False)
-    else:
-        model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+    dims = trainer._mindspeed_fsdp.dims
+    return parallel.defer_gradient_reduction(trainer.model, hsdp=dims.dp_replicate > 1 and dims.fsdp_size > 1)
 
 
 #: Trainer method name -> implementation(trainer, bound original, *args, **kwargs), used while FSDP is requested.

@@ -20,8 +20,8 @@ __all__ = ["SEAMS", "Seam", "check", "missing"]
 @dataclass(frozen=True)
 class Seam:
     """One internal name we use. `kind`: "method" (a Trainer method we wrap or replace), "attribute" (a name
-    Trainer's own code reads, found in its source), "arguments" (a TrainingArguments member), "accelerate" (an
-    accelerate internal)."""
+    Trainer's own code reads, found in its source), "module" (a name in transformers.trainer), "arguments" (a
+    TrainingArguments member), "accelerate" (an accelerate internal)."""
 
     name: str
     kind: str
@@ -51,6 +51,10 @@ SEAMS: tuple[Seam, ...] = (
          since="5.0"),
     Seam("_is_fsdp_managed_module", "attribute",
          "set on a sharded model: generate() keeps the ranks in step and accumulation defers the reduction"),
+    # transformers.trainer module names
+    Seam("apply_liger_kernel", "module",
+         "made a no-op during train() for a model we accelerate (so Liger does not patch the same layers); older "
+         "releases apply Liger in Trainer.__init__, where use_liger_kernel with our kernels is refused", since="5.0"),
     # TrainingArguments internals
     Seam("_setup_devices", "arguments",
          "recomputed once with use_cpu on CPU under torchrun, so accelerate counts every process (use_cpu is given "
@@ -90,6 +94,10 @@ def _present(seam: Seam) -> bool:
         return callable(getattr(Trainer, seam.name, None))
     if seam.kind == "attribute":
         return any(seam.name in inspect.getsource(module) for module in _reader_modules())
+    if seam.kind == "module":
+        import transformers.trainer as hf_trainer
+
+        return callable(getattr(hf_trainer, seam.name, None))
     if seam.kind == "arguments":
         from transformers import TrainingArguments
 

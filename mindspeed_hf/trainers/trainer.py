@@ -21,7 +21,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..config import MindSpeedConfig, ResolvedConfig
 from ..parallel.parallelize import ParallelizeOptions, parallelize
-from . import fsdp
+from . import fsdp, seams
 from .arguments import resolve_for
 
 logger = logging.getLogger("mindspeed_hf")
@@ -42,6 +42,12 @@ def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpe
     import mindspeed_hf
 
     resolved = resolve_config(args)
+    if getattr(args, "use_liger_kernel", False) and not seams.available("apply_liger_kernel"):
+        import transformers
+
+        raise ValueError(f"use_liger_kernel=True: transformers {transformers.__version__} applies Liger inside "
+                         "Trainer.__init__, over mindspeed_hf's kernels; choose one: use_liger_kernel=False, or "
+                         "MINDSPEED_HF_AUTO=0 to use Liger alone")
     # FSDP2 request from the args, the accelerate launch environment or the config.
     trainer._mindspeed_fsdp_plan = fsdp.resolve_plan(args, resolved)
     trainer._mindspeed_fsdp = None

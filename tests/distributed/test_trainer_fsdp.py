@@ -144,6 +144,8 @@ def test_sharded_checkpoint_and_resume(root, train, env_run):
         assert name in files, (name, files)
     assert any(f.startswith("pytorch_model_fsdp_0/") and f.endswith(".distcp") for f in files)
     assert "model.safetensors" not in files and "optimizer.pt" not in files
+    # accelerate is told the world size on CPU through use_cpu; the user's arguments (and the saved copy) keep theirs
+    assert train["ms"]["use_cpu"] == {"given": False, "after_training": False, "saved": False}
     assert "checkpoint-3" in env_run["incomplete_error"] and "COMPLETE" in env_run["incomplete_error"]
     r = env_run["resume"]  # checkpoint-4 was "interrupted" (no marker), checkpoint-3 unmarked: resumes from 2
     assert r["steps"] == 4 and len(r["losses"]) == 2

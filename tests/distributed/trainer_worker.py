@@ -171,6 +171,8 @@ def scenario_train(root: str) -> dict:
     if rank == 0:
         res["export_files"] = sorted(os.listdir(hf_dir))
         ckpt = os.path.join(ms_dir, "checkpoint-2")
+        saved = torch.load(os.path.join(ckpt, "training_args.bin"), weights_only=False)
+        res["use_cpu"] = {"given": False, "after_training": args.use_cpu, "saved": saved.use_cpu}
         res["ckpt_files"] = sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs)
         loaded = AutoModelForCausalLM.from_pretrained(hf_dir)
         torch.save({n: p.detach() for n, p in loaded.named_parameters()}, os.path.join(root, "ms_export.pt"))

@@ -5,11 +5,13 @@ gradient accumulation. The forward is put on the class by hand here (the patch e
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 import torch
 from tiny_models import FAMILY_CONFIGS, VOCAB, assert_close_grads, padded_batch, tiny_model
 
+from mindspeed_hf.compat import CACHE_NAME, cache_of
 from mindspeed_hf.patches import causal_lm
 from mindspeed_hf.patches.causal_lm import causal_lm_forward
 
@@ -98,6 +100,30 @@ def test_logits_to_keep_generation_and_tuple_output():
     torch.testing.assert_close(out, ref, **TOL)
     assert torch.equal(gen, ref_gen)
     assert isinstance(as_tuple, tuple) and as_tuple[0].shape == (*ids.shape, VOCAB)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2_moe", "gemma3_text"])
+def test_cache_goes_in_and_out_under_the_release_name(model_type):
+    """The KV cache is taken and returned under the installed release's name (`cache` in 5.x, which also takes
+    `past_key_values` as its deprecated alias; `past_key_values` in 4.57): a prefill and a decoding step that passes
+    the cache back give HF's logits and the same kind of cache."""
+    model = tiny_model(model_type).eval()
+    ids = padded_batch()["input_ids"][:, :8]
+    assert CACHE_NAME in inspect.signature(type(model).forward).parameters
+    assert CACHE_NAME in inspect.signature(causal_lm_forward).parameters
+
+    def prefill_and_step():
+        with torch.no_grad():
+            first = model(input_ids=ids[:, :7], use_cache=True)
+            second = model(input_ids=ids[:, 7:], use_cache=True, past_key_values=cache_of(first))
+        return first, second
+
+    expected = prefill_and_step()
+    with patched(model):
+        actual = prefill_and_step()
+    for ref, out in zip(expected, actual, strict=True):
+        torch.testing.assert_close(out.logits, ref.logits, **TOL)
+        assert cache_of(out) is not None and type(cache_of(out)) is type(cache_of(ref))
 
 
 def test_disabled_or_custom_loss_keeps_hf_path():
