@@ -23,9 +23,14 @@ logging.getLogger("mindspeed_hf").propagate = True  # let caplog see the package
 
 @pytest.fixture(autouse=True)
 def _restore_mindspeed():
+    # The environment too: transformers 4.57's TrainingArguments(fsdp=...) writes ACCELERATE_USE_FSDP / FSDP_* into
+    # os.environ, which later tests in this process would read as an `accelerate launch` request.
+    environ = dict(os.environ)
     yield
     mindspeed_hf.disable()
     registry.set_backend(None)
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.fixture(params=["torch", "npu"])

@@ -112,12 +112,26 @@ def _owner_map(model: nn.Module) -> dict[int, nn.Module]:
 
 
 @torch.no_grad()
+def _recompute_rotary(module: nn.Module, names: list[str]) -> None:
+    """transformers 4.57's rotary modules compute ``inv_freq`` only in ``__init__`` (their ``_init_weights``
+    leaves it alone): compute it again the same way, with the module's own ``rope_init_fn``."""
+    buffer = module._buffers.get("inv_freq")
+    init = getattr(module, "rope_init_fn", None)
+    if "inv_freq" not in names or init is None or not torch.isnan(buffer).all():
+        return
+    inv_freq, _ = init(module.config, buffer.device)
+    buffer.copy_(inv_freq.to(buffer.dtype))
+    if hasattr(module, "original_inv_freq"):
+        module.original_inv_freq = buffer
+
+
+@torch.no_grad()
 def init_nonpersistent_buffers(model: nn.Module) -> list[str]:
     """Recompute buffers that no checkpoint holds (rotary ``inv_freq``...) after meta init.
 
     Each module owning a non-persistent buffer is re-initialised by its model's ``_init_weights``
-    (transformers 5 recomputes rotary buffers there). Returns the buffer names handled; warns about
-    any buffer that ``_init_weights`` left untouched.
+    (transformers 5 recomputes rotary buffers there; for 4.57's rotary modules their ``rope_init_fn`` runs
+    again). Returns the buffer names handled; warns about any buffer left untouched.
     """
     owners = _owner_map(model)
     done: list[str] = []
@@ -135,6 +149,7 @@ def init_nonpersistent_buffers(model: nn.Module) -> list[str]:
                 if hasattr(t, "_is_hf_initialized"):
                     del t._is_hf_initialized
             init_fn(module)
+        _recompute_rotary(module, names)
         for n in names:
             full = f"{mod_name}.{n}" if mod_name else n
             buf = module._buffers[n]

@@ -27,16 +27,17 @@ def _flag(value: Any) -> bool:
 def hf_fsdp_layer(args: TrainingArguments) -> Layer:
     """What plain TrainingArguments state about our settings: `fsdp_config` (version 2: reshard_after_forward;
     cpu_offload, activation_checkpointing) and `parallelism_config` sizes."""
+    from .fsdp_plan import hf_fsdp_settings
+
     values: dict[str, Any] = {}
     names: dict[str, str] = {}
-    plugin = getattr(args, "fsdp_plugin_args", None)
-    if getattr(args, "fsdp", None) and plugin is not None and int(plugin.get("fsdp_version", 2)) == 2:
-        stated = getattr(args, "fsdp_config", None) or {}
-        if stated.get("reshard_after_forward") is not None:  # HF fills a default in; only a stated one counts
-            values["parallel.reshard_after_forward"] = _flag(stated["reshard_after_forward"])
+    fsdp = hf_fsdp_settings(args)
+    if fsdp is not None and fsdp["version"] == 2:
+        if fsdp["reshard_after_forward"] is not None:  # HF fills a default in; only a stated one counts
+            values["parallel.reshard_after_forward"] = _flag(fsdp["reshard_after_forward"])
             names["parallel.reshard_after_forward"] = "fsdp_config['reshard_after_forward']"
         for path, key in (("parallel.cpu_offload", "cpu_offload"), ("memory.recompute", "activation_checkpointing")):
-            if _flag(plugin.get(key, False)):
+            if _flag(fsdp[key]):
                 values[path], names[path] = True, f"fsdp_config['{key}']"
     pc = getattr(args, "parallelism_config", None)
     if pc is not None:
@@ -94,9 +95,14 @@ class _MindSpeedFields:
 
     @classmethod
     def fields_from_config(cls, config: MindSpeedConfig) -> dict[str, Any]:
-        """The mindspeed_* keyword arguments that reproduce `config` (used by the CLI's YAML runs)."""
-        return {s.argument: getattr(config if s.section is None else getattr(config, s.section), s.key)
-                for s in settings()}
+        """The mindspeed_* keyword arguments that reproduce `config` (used by the CLI's YAML runs): its settings
+        that differ from the defaults (a size left at its default is not a request to shard)."""
+        out = {}
+        for s in settings():
+            value = getattr(config if s.section is None else getattr(config, s.section), s.key)
+            if value != s.default:
+                out[s.argument] = value
+        return out
 
 
 def _argument(setting: Setting) -> tuple[str, type, Any]:

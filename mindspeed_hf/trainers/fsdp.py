@@ -135,8 +135,10 @@ def _create_accelerator(trainer: Any, original: Callable[[], None]) -> None:
 
     args = trainer.args
     saved_env = {k: os.environ.pop(k) for k in _ACCELERATE_SWITCHES if k in os.environ}
-    saved_args = args.fsdp_plugin_args, args.parallelism_config
-    args.fsdp_plugin_args, args.parallelism_config = None, None
+    masked = [name for name in ("fsdp_plugin_args", "parallelism_config") if name in vars(args)]  # 4.57: no plugin
+    saved_args = {name: vars(args)[name] for name in masked}
+    for name in masked:
+        setattr(args, name, None)
     shared = AcceleratorState._shared_state
     if shared.get("fsdp_plugin") is not None or shared.get("parallelism_config") is not None:
         AcceleratorState._reset_state()  # an earlier Accelerator fixed FSDP in the process-wide state
@@ -145,7 +147,8 @@ def _create_accelerator(trainer: Any, original: Callable[[], None]) -> None:
             original()
     finally:
         os.environ.update(saved_env)
-        args.fsdp_plugin_args, args.parallelism_config = saved_args
+        for name, value in saved_args.items():
+            setattr(args, name, value)
     trainer.accelerator.prepare_model = _keep_sharded(trainer.accelerator.prepare_model)
 
 

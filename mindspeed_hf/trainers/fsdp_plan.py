@@ -49,17 +49,49 @@ def _flag(value: Any, where: str) -> bool:
     raise ValueError(f"{where}={value!r} must be true or false")
 
 
-def _hf_request(args: Any) -> dict[str, Any] | None:
-    """FSDP asked for through TrainingArguments (`fsdp` + `fsdp_config`, normalised by HF into fsdp_plugin_args).
-    Its knobs (reshard_after_forward, cpu_offload, activation_checkpointing) are settings: see arguments.py."""
-    plugin = getattr(args, "fsdp_plugin_args", None)
-    if not getattr(args, "fsdp", None) or plugin is None:  # None also for fsdp_config xla (not ours)
+def hf_fsdp_settings(args: Any) -> dict[str, Any] | None:
+    """The FSDP request of TrainingArguments (`fsdp` + `fsdp_config`), the same across releases: transformers 5
+    normalises it into `fsdp_plugin_args`; 4.57 keeps the `fsdp` options and the `fsdp_config` dict (keys without
+    their `fsdp_` prefix) and hands the rest to accelerate through the environment. None: not asked for (or XLA)."""
+    if not getattr(args, "fsdp", None):
         return None
     config = getattr(args, "fsdp_config", None) or {}
-    return {"source": "TrainingArguments.fsdp/fsdp_config", "version": int(plugin.get("fsdp_version", 2)),
-            **_wrap_request(plugin.get("auto_wrap_policy"), plugin.get("transformer_cls_names_to_wrap"),
-                            plugin.get("state_dict_type") if "state_dict_type" in config else None),
-            "cpu_ram_efficient_loading": _flag(plugin.get("cpu_ram_efficient_loading", False),
+    if hasattr(args, "fsdp_plugin_args"):  # transformers 5
+        plugin = args.fsdp_plugin_args
+        if plugin is None:  # fsdp_config xla: not ours
+            return None
+        return {"version": int(plugin.get("fsdp_version", 2)), "auto_wrap_policy": plugin.get("auto_wrap_policy"),
+                "classes": plugin.get("transformer_cls_names_to_wrap"),
+                "state_dict_type": plugin.get("state_dict_type") if "state_dict_type" in config else None,
+                "reshard_after_forward": config.get("reshard_after_forward"),
+                **{k: plugin.get(k, False) for k in ("cpu_offload", "activation_checkpointing",
+                                                     "cpu_ram_efficient_loading")}}
+    if config.get("xla"):
+        return None
+    options = {str(getattr(o, "value", o)) for o in args.fsdp} if isinstance(args.fsdp, list) else set()
+    classes = config.get("transformer_layer_cls_to_wrap")
+    reshard = config.get("reshard_after_forward")
+    if reshard is None and "shard_grad_op" in options:  # ZeRO-2 strategy: a statement (full_shard is also what
+        reshard = False  # 4.57 makes of fsdp=True, and the default anyway)
+    policy = None
+    if "auto_wrap" in options:
+        policy = "SIZE_BASED_WRAP" if config.get("min_num_params", 0) > 0 else "TRANSFORMER_BASED_WRAP"
+    return {"version": int(config.get("version", 1)), "auto_wrap_policy": policy,
+            "classes": ",".join(classes) if isinstance(classes, list | tuple) else classes,
+            "state_dict_type": config.get("state_dict_type"),
+            "reshard_after_forward": reshard, "cpu_offload": "offload" in options,
+            **{k: config.get(k, False) for k in ("activation_checkpointing", "cpu_ram_efficient_loading")}}
+
+
+def _hf_request(args: Any) -> dict[str, Any] | None:
+    """FSDP asked for through TrainingArguments. Its knobs (reshard_after_forward, cpu_offload,
+    activation_checkpointing) are settings: see arguments.py."""
+    settings = hf_fsdp_settings(args)
+    if settings is None:
+        return None
+    return {"source": "TrainingArguments.fsdp/fsdp_config", "version": settings["version"],
+            **_wrap_request(settings["auto_wrap_policy"], settings["classes"], settings["state_dict_type"]),
+            "cpu_ram_efficient_loading": _flag(settings["cpu_ram_efficient_loading"],
                                                "fsdp_config['cpu_ram_efficient_loading']")}
 
 
@@ -139,6 +171,9 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
     env = os.environ if env is None else env
     world = world_size_from(env) if world_size is None else world_size
     requests = [r for r in (_hf_request(args), _env_request(env)) if r is not None]
+    if len(requests) == 2 and "FSDP_VERSION" not in env:
+        # transformers 4.57 writes its own `fsdp` arguments into ACCELERATE_USE_FSDP / FSDP_*: not a second source
+        requests = requests[:1]
     if len(requests) == 2 and requests[0]["version"] != requests[1]["version"]:
         raise ValueError(f"{requests[0]['source']} asks for FSDP version {requests[0]['version']} but "
                          f"{requests[1]['source']} (FSDP_VERSION) for version {requests[1]['version']}")

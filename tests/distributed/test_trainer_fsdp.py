@@ -228,7 +228,8 @@ def test_plan_sources(tmp_path):
                                                                                                          True)
     assert _plan(env={**env, "FSDP_VERSION": "1", "ACCELERATE_USE_PARALLELISM_CONFIG": "false"}) is None  # accelerate's
     assert _plan(world=4, dp_replicate=2).dp_shard == 2  # HSDP from our sizes alone
-    plan = _plan(_hf_args(tmp_path, fsdp=True), reshard_after_forward=False)  # HF's default is not a statement
+    plan = _plan(_hf_args(tmp_path, fsdp=True, fsdp_config={"fsdp_version": 2}),
+                 reshard_after_forward=False)  # HF's default is not a statement
     assert plan.reshard_after_forward is False
 
 

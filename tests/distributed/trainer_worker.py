@@ -31,6 +31,8 @@ KERNELS_OFF = {"rms_norm": False, "rope": False, "swiglu": False, "attention": F
 COMMON = dict(max_steps=STEPS, learning_rate=LR, logging_steps=1, report_to="none", disable_tqdm=True, seed=0,
               save_strategy="no", max_grad_norm=0.05, lr_scheduler_type="linear",
               dataloader_drop_last=True, per_device_eval_batch_size=1)
+# FSDP2 through TrainingArguments on every supported transformers (4.57 reads fsdp=True alone as FSDP1 for accelerate)
+FSDP2 = dict(fsdp=True, fsdp_config={"fsdp_version": 2})
 # SGD makes the clipping visible in the parameters (AdamW is almost blind to a gradient scale).
 GA2 = dict(gradient_accumulation_steps=2, optim="sgd", learning_rate=0.5, max_grad_norm=0.5)
 # load_best_model_at_end with the "best" being the highest eval loss: an early checkpoint, not the final model.
@@ -201,7 +203,7 @@ def scenario_train(root: str) -> dict:
     out["plain"] = res
 
     # 3. PEFT LoRA on the sharded base; adapter-only save.
-    args = targs(TrainingArguments, os.path.join(root, "lora"), per_device_train_batch_size=BATCH, fsdp=True)
+    args = targs(TrainingArguments, os.path.join(root, "lora"), per_device_train_batch_size=BATCH, **FSDP2)
     trainer, res = run(Trainer, tiny_model(lora=True), args)
     res.update(sharding(trainer))
     save_params(trainer.model, os.path.join(root, "lora.pt"))
@@ -217,7 +219,7 @@ def scenario_train(root: str) -> dict:
     out["lora"] = res
 
     # 4. bf16 mixed precision: bf16 compute and gathers, fp32 sharded master weights and reductions.
-    args = targs(TrainingArguments, os.path.join(root, "bf16"), per_device_train_batch_size=BATCH, fsdp=True,
+    args = targs(TrainingArguments, os.path.join(root, "bf16"), per_device_train_batch_size=BATCH, **FSDP2,
                  bf16=True, use_cpu=True, max_steps=2)  # HF wants use_cpu for bf16 on a CPU
     seen: set[str] = set()
     model = tiny_model()

@@ -35,8 +35,10 @@ def test_rope_forward_takes_every_signature_of_the_release():
 @pytest.mark.parametrize("keep", [0, 1, 3, torch.tensor([0, 2, 5])])
 def test_slice_to_keep(keep):
     hidden = torch.randn(2, 6, 4)
-    expected = hidden[:, -keep:] if isinstance(keep, int) and keep else hidden if isinstance(keep, int) else (
-        hidden[:, keep])
+    if isinstance(keep, torch.Tensor):
+        expected = hidden[:, keep]  # these positions
+    else:
+        expected = hidden[:, -keep:] if keep else hidden  # the last `keep`, 0 = all
     assert torch.equal(compat.slice_to_keep(hidden, keep), expected)
 
 

@@ -54,6 +54,11 @@ def make_tokenizer(directory: Path) -> None:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
                                         bos_token="<bos>", eos_token="<eos>", model_max_length=64)
     tokenizer.save_pretrained(str(directory))
+    # transformers 5 records its own class name (TokenizersBackend); write the one every supported release loads.
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def main() -> None:
