@@ -225,8 +225,11 @@ def build_training_args(run: RunConfig, overrides: list[str], accelerated: bool)
         defaults.update(MindSpeedTrainingArguments.fields_from_config(run.mindspeed))
     elif run.mindspeed.memory.recompute:
         # The plain-HF baseline does the same work through HF's own switch, so bench compares like with like.
-        defaults.setdefault("activation_checkpointing", True)
-        defaults.setdefault("activation_checkpointing_kwargs", {"use_reentrant": False})
+        from ..compat import training_args_checkpointing_names
+
+        switch, kwargs = training_args_checkpointing_names()
+        defaults.setdefault(switch, True)
+        defaults.setdefault(kwargs, {"use_reentrant": False})
     parser = HfArgumentParser(cls)
     # Parse only what the command line gives (argparse would also run YAML strings through its type converters:
     # "non_padding" is not a bool), then lay it over the YAML values and build the dataclass from the dict.

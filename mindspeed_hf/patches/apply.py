@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import compat
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, register_attention, unregister_attention
@@ -44,7 +45,7 @@ def _attention_default(original):
     @functools.wraps(original)
     def get_correct_attn_implementation(self, requested_attention=None, is_init_check=False):
         if requested_attention is None:
-            if scope.kernel_on("attention") and self._supports_sdpa:
+            if scope.kernel_on("attention") and self._supports_sdpa and compat.sdpa_replaceable(self):
                 requested_attention = ATTENTION_NAME
         elif requested_attention != ATTENTION_NAME:
             self._mindspeed_explicit_attention = requested_attention
@@ -193,7 +194,7 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
     _models.add(hf_model)
     current = hf_model.config._attn_implementation
     if getattr(hf_model, "_mindspeed_explicit_attention", None) is None:
-        if config.kernels.attention and current == "sdpa":
+        if config.kernels.attention and current == "sdpa" and compat.sdpa_replaceable(hf_model):
             hf_model.set_attn_implementation(ATTENTION_NAME)
         elif not config.kernels.attention and current == ATTENTION_NAME:
             hf_model.set_attn_implementation("sdpa")
@@ -225,6 +226,7 @@ def report(model: nn.Module) -> dict[str, Any]:
     config = scope.config_of(hf_model) if hf_model is not None else None
     if family is not None and is_enabled():
         module = _modeling(family)
+        attention_cls = getattr(module, family.attention)
         on = {op: bool(getattr(config.kernels, op)) for op in _OPS}
         rope_patched = getattr(getattr(module, "apply_rotary_pos_emb", None), "_mindspeed_op", None) == "rope"
         attention = hf_model.config._attn_implementation
@@ -236,7 +238,7 @@ def report(model: nn.Module) -> dict[str, Any]:
             op = getattr(forward, "_mindspeed_op", None)
             if op is not None:
                 counts[op] += on[op]
-            if type(sub).__name__ == family.attention:
+            if isinstance(sub, attention_cls):
                 counts["rope"] += rope_patched and on["rope"]
                 counts["attention"] += attention == ATTENTION_NAME
     token = registry.use_backend(None if config is None or config.backend == "auto" else config.backend)

@@ -191,7 +191,7 @@ def test_example_under_torchrun_matches_single_process(script, how, tmp_path):
     run_or_fail([sys.executable, *common, "--output_dir", str(tmp_path / "a"), "--losses_file", str(single)],
          child_env(auto=True), f"{script} single process")
     extra = accelerate_fsdp2_env(tmp_path) if how == "env" else {}
-    flags = ["--fsdp", "full_shard"] if how == "args" else []
+    flags = ["--fsdp", "full_shard", "--fsdp_config", '{"fsdp_version": 2}'] if how == "args" else []
     run_or_fail(torchrun(*common, "--output_dir", str(tmp_path / "b"), "--losses_file", str(sharded),
                    "--per_device_train_batch_size", "4", *flags), child_env(auto=True, **extra), f"{script} torchrun")
     _close(_losses(sharded), _losses(single))
