@@ -2,9 +2,11 @@
 
 Model: Qwen3 architecture, 4 layers, vocab 151936, hidden 256, intermediate 768, 4 heads of 64 (2 KV heads),
 untied lm_head (Qwen3Config's default), fp32 on the CPU; batch 2 x 1024 tokens, labels = input ids; AdamW
-(lr 1e-4); 3 training steps. Each variant runs in its own subprocess (MINDSPEED_HF_AUTO=0 in both):
+(lr 1e-4, weight decay 0.01, constant); 3 training steps of transformers.Trainer. Each variant runs in its own
+subprocess (MINDSPEED_HF_AUTO=0 in both):
 - plain: HF's own Qwen3ForCausalLM.forward (full logits, then ForCausalLMLoss);
-- fused: Qwen3ForCausalLM.forward = mindspeed_hf.patches.causal_lm.causal_lm_forward (nothing else patched).
+- fused: mindspeed_hf enabled with only the fused loss on (the other kernels off), skip_logits auto: Trainer's
+  own loss computation is where nothing reads the logits, so they are skipped there.
 Peak memory is the subprocess's resident-set high-water mark (ru_maxrss), so it includes the interpreter, torch,
 weights, gradients and AdamW state; step time is the median of the steps after the first.
 
@@ -31,34 +33,44 @@ BATCH, SEQ, STEPS = 2, 1024, 3
 
 
 def worker(variant: str, chunk: int, threads: int) -> dict:
-    """One measured run in this process; returns its numbers."""
+    """One measured run in this process, through transformers.Trainer; returns its numbers."""
+    import tempfile
+
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer, TrainingArguments
+
+    import mindspeed_hf  # MINDSPEED_HF_AUTO=0: nothing is patched on import
+    from mindspeed_hf.config import config_from_dict
 
     if threads:
         torch.set_num_threads(threads)
-    if variant == "fused":
-        from mindspeed_hf.patches import causal_lm
-
-        causal_lm.configure(enabled=True, chunk_size=chunk)
-        Qwen3ForCausalLM.forward = causal_lm.causal_lm_forward
+    if variant == "fused":  # the loss alone (skip_logits: auto - Trainer's own loss computation skips them)
+        off = dict.fromkeys(("rms_norm", "rope", "swiglu", "attention"), False)
+        mindspeed_hf.enable(config_from_dict({"kernels": {**off, "loss_chunk_size": chunk}}))
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, attn_implementation="sdpa")).float().train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, attn_implementation="sdpa")).float()
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=gen)
-    rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ids = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=gen).tolist()
+    rows = [{"input_ids": row, "labels": row} for row in ids] * STEPS
     losses, times = [], []
-    for _ in range(STEPS):
-        start = time.perf_counter()
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-        losses.append(out.loss.item())
-        assert (out.logits is None) == (variant == "fused")
-        del out
+
+    class Measured(Trainer):
+        def training_step(self, *args, **kwargs):
+            start = time.perf_counter()
+            loss = super().training_step(*args, **kwargs)
+            losses.append(loss.item())
+            times.append(time.perf_counter() - start)
+            return loss
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-4,
+                                 lr_scheduler_type="constant", weight_decay=0.01, report_to="none", save_strategy="no",
+                                 disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False)
+        trainer = Measured(model=model, args=args, train_dataset=rows)
+        if variant == "fused":
+            assert trainer._mindspeed_report["skip_logits"] == "auto"
+        rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        trainer.train()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return {"variant": variant, "chunk": chunk, "threads": torch.get_num_threads(), "losses": losses,
             "times": times, "peak_bytes": peak * 1024, "init_bytes": rss_init * 1024}
@@ -98,7 +110,7 @@ def table(plain: list[dict], fused: list[dict]) -> str:
         "| | plain HF | fused loss | fused / plain |",
         "|---|---|---|---|",
         f"| peak memory (ru_maxrss of the subprocess) | {_gb(p_peak)} | {_gb(f_peak)} | {f_peak / p_peak:.2f}x |",
-        f"| resident after model + optimizer built | {_gb(plain[0]['init_bytes'])} | {_gb(fused[0]['init_bytes'])} | |",
+        f"| resident after the model and Trainer are built | {_gb(plain[0]['init_bytes'])} | {_gb(fused[0]['init_bytes'])} | |",
         f"| step time (median of steps 2..{STEPS}, all repeats) | {p_time:.2f} s | {f_time:.2f} s | "
         f"{f_time / p_time:.2f}x |",
         f"| step-time spread (min..max of those steps) | {_spread(plain)} | {_spread(fused)} | |",
@@ -137,7 +149,7 @@ def main() -> None:
         f"Qwen3 architecture: {SHAPE['num_hidden_layers']} layers, vocab {SHAPE['vocab_size']}, hidden "
         f"{SHAPE['hidden_size']}, intermediate {SHAPE['intermediate_size']}, {SHAPE['num_attention_heads']} heads x "
         f"{SHAPE['head_dim']} ({SHAPE['num_key_value_heads']} KV), untied lm_head; batch {BATCH} x {SEQ} tokens, "
-        f"AdamW, {STEPS} steps, {args.repeats} plain/fused subprocess pairs run alternately; torch threads "
+        f"AdamW, {STEPS} Trainer steps, {args.repeats} plain/fused subprocess pairs run alternately; torch threads "
         f"{plain[0]['threads']}; fused chunk {chunk} rows. Peak memory is ru_maxrss of each subprocess (interpreter, "
         "weights, grads and AdamW state included). The machine's 2 cores are shared with other jobs, so step "
         "times of identical runs vary (see the spread row); peak memory and losses do not.",

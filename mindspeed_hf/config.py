@@ -48,10 +48,17 @@ class KernelConfig:
         "chunked causal-LM loss that never holds the full [tokens, vocab] logits"))
     loss_chunk_size: int = field(default=0, metadata=_help(
         "tokens per chunk of the fused loss; 0 picks one from the vocabulary size"))
+    skip_logits: str = field(default="auto", metadata=_help(
+        "when the fused loss skips the logits: auto (only where nothing reads them: Trainer's own loss "
+        "computation), always (every training forward with labels; reading .logits then raises), never",
+        choices=["auto", "always", "never"]))
 
     def __post_init__(self) -> None:
         if self.loss_chunk_size < 0:
             raise ValueError(f"kernels.loss_chunk_size={self.loss_chunk_size} must be >= 0 (0 = automatic)")
+        if self.skip_logits not in ("auto", "always", "never"):
+            raise ValueError(f"kernels.skip_logits={self.skip_logits!r} is not valid; choose one of auto, always, "
+                             "never")
 
 
 @dataclass

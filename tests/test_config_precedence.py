@@ -12,7 +12,8 @@ from mindspeed_hf.config import MindSpeedConfig, resolve, settings
 from mindspeed_hf.trainers import MindSpeedTrainingArguments
 
 # A valid non-default value per setting (cp / ep have none in this release: > 1 is refused, tested elsewhere).
-VALUES = {"backend": "torch", "kernels.loss_chunk_size": 96, "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
+VALUES = {"backend": "torch", "kernels.loss_chunk_size": 96, "kernels.skip_logits": "always",
+          "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
           "parallel.prefetch": 3}
 # The accelerate launch variables that mean one of our settings, as `accelerate launch` exports an FSDP2 config.
 ACCELERATE = {"parallel.dp_replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",

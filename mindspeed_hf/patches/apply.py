@@ -250,6 +250,8 @@ def report(model: nn.Module) -> dict[str, Any]:
             "implementations": {op: registry.implementation(op, device) for op in _OPS
                                 if op in registry.registered_ops()},
             "attention_implementation": getattr(getattr(hf_model, "config", None), "_attn_implementation", None),
+            "skip_logits": None if config is None or not counts["fused_linear_cross_entropy"] else
+            config.kernels.skip_logits,
             "kept": kept,
         }
     finally:

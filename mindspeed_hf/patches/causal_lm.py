@@ -12,10 +12,13 @@ Family specifics are read at runtime, so there is one function and no per-family
 - Gemma2 / Gemma3 text: `config.final_logit_softcapping` (applied in the logits dtype, like HF).
 - Everything else (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi3) is the plain shape.
 
-Logits are returned whenever somebody may look at them: in eval, without labels (generation), or when the
-caller passes `skip_logits=False`; `skip_logits=True` skips them in eval too (Trainer passes it with
-`use_liger_kernel`). A model whose `loss_function` is not HF's `ForCausalLMLoss` (custom `loss_type` or
-`model.loss_function = ...`) keeps the full-logits path, since the fused op only implements that loss.
+Logits are skipped only where nothing can read them (kernels.skip_logits): under `auto`, the default, while
+Trainer's own loss computation runs (scope.logits_unread: not with return_outputs, a compute_loss_func or a
+prompt-learning PEFT model); under `always`, in every training forward with labels; never under `never`. Where
+they are skipped, `outputs.logits` is a SkippedLogits that names the setting when used. A caller's explicit
+`skip_logits=True` skips them in eval too (Trainer passes it with `use_liger_kernel`). A model whose
+`loss_function` is not HF's `ForCausalLMLoss` (custom `loss_type` or `model.loss_function = ...`) keeps the
+full-logits path, since the fused op only implements that loss.
 `**kwargs` is kept, so Trainer still sees a model that accepts loss kwargs and passes `num_items_in_batch`.
 
 TRL's SFTTrainer wraps `model.forward` on the instance (`trl.trainer.utils.add_fused_lm_head`): its
@@ -27,7 +30,6 @@ patched before TRL wrapped the instance, HF's otherwise. Both keep working (test
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -37,26 +39,51 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from .. import compat
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from . import scope
 
 
-@dataclass
-class FusedLossSettings:
-    """Module-level switch the package's enable() sets (config.kernels.fused_linear_cross_entropy and
-    loss_chunk_size). With `enabled=False` the patched forward behaves exactly like HF's."""
+class SkippedLogits:
+    """What stands in `outputs.logits` when the fused loss did not compute them: any use of it raises an error that
+    names the setting to change (instead of an AttributeError on None far from the cause)."""
 
-    enabled: bool = True
-    chunk_size: int = 0
+    def __init__(self, mode: str) -> None:
+        self._message = (f"mindspeed_hf computed the loss without the [tokens, vocab] logits (kernels.skip_logits="
+                         f"{mode}), so this forward returned none; to read outputs.logits with labels while "
+                         "training, set kernels.skip_logits to auto (skip only where nothing reads them) or never "
+                         "(MINDSPEED_HF_KERNELS_SKIP_LOGITS, --mindspeed_skip_logits), or pass skip_logits=False")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise RuntimeError(self._message)
+
+    def __getitem__(self, item):
+        raise RuntimeError(self._message)
+
+    def __iter__(self):
+        raise RuntimeError(self._message)
+
+    def __len__(self) -> int:
+        raise RuntimeError(self._message)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        placeholder = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
+        raise RuntimeError(placeholder._message)
+
+    def __repr__(self) -> str:
+        return "SkippedLogits(not computed: see mindspeed_hf kernels.skip_logits)"
 
 
-SETTINGS = FusedLossSettings()
-
-
-def configure(enabled: bool = True, chunk_size: int = 0) -> None:
-    """Turn the fused loss on/off for every patched model and set its chunk size (0 = from the vocabulary)."""
-    if int(chunk_size) < 0:
-        raise ValueError(f"kernels.loss_chunk_size={chunk_size} must be >= 0 (0 picks it from the vocabulary)")
-    SETTINGS.enabled = bool(enabled)
-    SETTINGS.chunk_size = int(chunk_size)
+def _skip(model: torch.nn.Module, labels: torch.Tensor | None, skip_logits: bool | None, mode: str) -> bool:
+    """Whether this forward computes the loss without logits. An explicit `skip_logits` argument decides, except
+    under `never`; otherwise `always` skips every training forward with labels, and `auto` only those inside a
+    window where nothing can read the logits (scope.logits_unread: Trainer's own loss computation)."""
+    if labels is None or mode == "never":
+        return False
+    if skip_logits is not None:
+        return skip_logits
+    return model.training and (mode == "always" or scope.logits_unread())
 
 
 def _load_balancing_loss_func(model: torch.nn.Module):
@@ -126,13 +153,12 @@ def _forward(
         lm_head = self.get_output_embeddings()
     softcap = _softcap(config)
 
-    if skip_logits is None:
-        skip_logits = self.training and labels is not None
-    fused = SETTINGS.enabled and skip_logits and labels is not None and _uses_hf_causal_loss(self)
+    kernels = scope.current().kernels
+    fused = _skip(self, labels, skip_logits, kernels.skip_logits) and _uses_hf_causal_loss(self)
     # HF's MoE forwards take output_router_logits as a named argument, so it never reaches their loss
     loss_kwargs = {k: v for k, v in kwargs.items() if not (moe and k == "output_router_logits")}
 
-    logits = loss = None
+    loss = None
     if fused:
         loss = fused_linear_cross_entropy(
             hidden_states,
@@ -142,8 +168,9 @@ def _forward(
             ignore_index=loss_kwargs.get("ignore_index", -100),
             num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
             softcap=softcap,
-            chunk_size=SETTINGS.chunk_size,
+            chunk_size=kernels.loss_chunk_size,
         )
+        logits = SkippedLogits(kernels.skip_logits)
     else:
         logits = lm_head(hidden_states)
         if softcap is not None:  # Gemma2/3, in the logits dtype exactly as their forwards do it
@@ -183,8 +210,9 @@ def _forward(
 _DOC = """Drop-in `XForCausalLM.forward` (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, gemma, gemma2,
 gemma3 text, phi3): the same arguments and outputs as the installed release's HF forward, plus `skip_logits`.
 
-While training with labels (and `skip_logits` not False) the loss is computed by the chunked fused linear
-cross-entropy and `logits` is None; otherwise the logits are real and the loss is HF's own.
+While training with labels where nothing reads the logits (kernels.skip_logits, see `_skip`) the loss is computed
+by the chunked fused linear cross-entropy and `logits` is a SkippedLogits; otherwise the logits are real and the
+loss is HF's own.
 """
 
 if compat.CACHE_NAME == "cache":  # transformers >= 5: `cache`, with `past_key_values` as the deprecated alias

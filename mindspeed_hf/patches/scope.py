@@ -10,9 +10,10 @@ original code for an op that config switches off. Code outside any attached mode
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -21,6 +22,7 @@ from ..config import MindSpeedConfig
 from ..ops import registry
 
 _running: contextvars.ContextVar[MindSpeedConfig | None] = contextvars.ContextVar("mindspeed_hf_config", default=None)
+_unread: contextvars.ContextVar[bool] = contextvars.ContextVar("mindspeed_hf_logits_unread", default=False)
 _process: dict[str, MindSpeedConfig | None] = {"config": None}
 
 
@@ -39,6 +41,22 @@ def current() -> MindSpeedConfig:
 
 
 _DEFAULT = MindSpeedConfig()
+
+
+@contextlib.contextmanager
+def logits_unread_window() -> Iterator[None]:
+    """Inside: the caller will read nothing of the model's outputs but the loss (Trainer's own loss computation),
+    so a fused loss may skip the logits under kernels.skip_logits=auto."""
+    token = _unread.set(True)
+    try:
+        yield
+    finally:
+        _unread.reset(token)
+
+
+def logits_unread() -> bool:
+    """True inside a logits_unread_window."""
+    return _unread.get()
 
 
 def kernel_on(op: str) -> bool:

@@ -54,7 +54,6 @@ def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpe
     if not mindspeed_hf.is_enabled():  # the kernels are patched in once per process; settings stay per model
         mindspeed_hf.enable()
     trainer._mindspeed_config = resolved.config
-    trainer._mindspeed_sources = resolved.sources
     # Trainer.__init__ has not run yet when the hook runs: keep the arguments where the hook can read them.
     trainer._mindspeed_args = args
     trainer._mindspeed_report = None

@@ -76,6 +76,41 @@ def _wrap_train(original: Callable) -> Callable:
     return train
 
 
+def _reads_only_the_loss(trainer: Any, model: Any, return_outputs: bool) -> bool:
+    """True when Trainer.compute_loss's own body will use nothing of the model's outputs but the loss: no
+    return_outputs, no compute_loss_func, no past_index, and a model whose forward does not read its inner
+    model's logits (an HF model, or a PEFT model that is not prompt learning: CPT computes its loss from them)."""
+    if return_outputs or getattr(trainer, "compute_loss_func", None) is not None:
+        return False
+    if getattr(trainer.args, "past_index", -1) >= 0:
+        return False
+    from transformers import PreTrainedModel
+
+    inner = trainer.accelerator.unwrap_model(model) if getattr(trainer, "accelerator", None) else model
+    peft_config = getattr(inner, "active_peft_config", None)
+    if peft_config is not None:
+        return not getattr(peft_config, "is_prompt_learning", False)
+    return isinstance(inner, PreTrainedModel)
+
+
+def _wrap_compute_loss(original: Callable) -> Callable:
+    """Trainer.compute_loss inside scope.logits_unread_window when its outputs cannot reach anybody but the loss
+    (so `kernels.skip_logits: auto` skips the logits there and nowhere else)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        if not _reads_only_the_loss(self, bound.arguments.get("model"), bound.arguments.get("return_outputs", False)):
+            return original(self, *args, **kwargs)
+        from ..patches import scope
+
+        with scope.logits_unread_window():
+            return original(self, *args, **kwargs)
+
+    return compute_loss
+
+
 def _wrap_fsdp(name: str) -> Callable[[Callable], Callable]:
     """Trainer.<name> -> fsdp.OVERRIDES[name] while this trainer shards with FSDP2 (the same code MindSpeedTrainer
     runs); otherwise, and for MindSpeedTrainer's own calls through super(), the original."""
@@ -101,6 +136,7 @@ def _wrappers() -> dict[str, Callable[[Callable], Callable]]:
         "__init__": _wrap_init,
         "call_model_init": _wrap_call_model_init,
         "train": _wrap_train,
+        "compute_loss": _wrap_compute_loss,
     }
     wrappers.update({name: _wrap_fsdp(name) for name in OVERRIDES})
     return wrappers

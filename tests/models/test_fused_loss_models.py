@@ -12,8 +12,9 @@ import torch
 from tiny_models import FAMILY_CONFIGS, VOCAB, assert_close_grads, padded_batch, tiny_model
 
 from mindspeed_hf.compat import CACHE_NAME, cache_of
-from mindspeed_hf.patches import causal_lm
-from mindspeed_hf.patches.causal_lm import causal_lm_forward
+from mindspeed_hf.config import config_from_dict
+from mindspeed_hf.patches import scope
+from mindspeed_hf.patches.causal_lm import SkippedLogits, causal_lm_forward
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 # Gemma3's text config has no softcap by default: turn it on so one family of each kind exercises it
@@ -23,16 +24,18 @@ CHUNK = 7  # several chunks even for the tiny batches
 
 @contextlib.contextmanager
 def patched(model, chunk_size: int = CHUNK, enabled: bool = True):
-    """Put causal_lm_forward on the model's class (as the lead's engine does) and restore it after."""
+    """Put causal_lm_forward on the model's class (as the patch engine does) and restore it after. These loops
+    are not Trainer's, so the logits are skipped by `skip_logits: always` (enabled) or kept (`never`)."""
     cls = type(model)
     saved = cls.__dict__["forward"]
     cls.forward = causal_lm_forward
-    causal_lm.configure(enabled=enabled, chunk_size=chunk_size)
+    scope.set_process_config(config_from_dict(
+        {"kernels": {"loss_chunk_size": chunk_size, "skip_logits": "always" if enabled else "never"}}))
     try:
         yield
     finally:
         cls.forward = saved
-        causal_lm.configure(enabled=True, chunk_size=0)
+        scope.set_process_config(None)
 
 
 def _run(model, batch, **kwargs):
@@ -52,7 +55,7 @@ def test_family_loss_and_grads_match_hf(model_type):
     with patched(model):
         actual = [_run(model, batch), _run(model, batch, **items)]
     for (ref, ref_grads), (out, grads) in zip(expected, actual):
-        assert out.logits is None  # training with labels: no [tokens, vocab] logits
+        assert isinstance(out.logits, SkippedLogits)  # training with labels: no [tokens, vocab] logits
         torch.testing.assert_close(out.loss, ref.loss, **TOL)
         assert_close_grads(ref_grads, grads)
         if getattr(ref, "aux_loss", None) is not None:
@@ -74,7 +77,7 @@ def test_eval_and_explicit_skip_logits_false_return_hf_logits(model_type):
             skipped = model(**batch, skip_logits=True)  # Trainer's liger eval flag: loss only
     torch.testing.assert_close(out.logits, ref.logits, **TOL)
     torch.testing.assert_close(out.loss, ref.loss, **TOL)
-    assert skipped.logits is None
+    assert isinstance(skipped.logits, SkippedLogits)
     torch.testing.assert_close(skipped.loss, ref.loss, **TOL)
 
     model.train()
@@ -168,7 +171,7 @@ def test_peft_lora_on_lm_head():
     assert any("lm_head.lora_A" in n for n in ref_grads)
     with patched(base):
         out, grads = _run(model, batch)
-    assert out.logits is None
+    assert isinstance(out.logits, SkippedLogits)
     torch.testing.assert_close(out.loss, ref.loss, **TOL)
     assert_close_grads(ref_grads, grads)
 
