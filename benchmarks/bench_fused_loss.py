@@ -110,7 +110,8 @@ def table(plain: list[dict], fused: list[dict]) -> str:
         "| | plain HF | fused loss | fused / plain |",
         "|---|---|---|---|",
         f"| peak memory (ru_maxrss of the subprocess) | {_gb(p_peak)} | {_gb(f_peak)} | {f_peak / p_peak:.2f}x |",
-        f"| resident after the model and Trainer are built | {_gb(plain[0]['init_bytes'])} | {_gb(fused[0]['init_bytes'])} | |",
+        f"| resident after the model and Trainer are built | {_gb(plain[0]['init_bytes'])} | "
+        f"{_gb(fused[0]['init_bytes'])} | |",
         f"| step time (median of steps 2..{STEPS}, all repeats) | {p_time:.2f} s | {f_time:.2f} s | "
         f"{f_time / p_time:.2f}x |",
         f"| step-time spread (min..max of those steps) | {_spread(plain)} | {_spread(fused)} | |",
