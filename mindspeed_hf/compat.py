@@ -236,3 +236,15 @@ def training_args_checkpointing_names() -> tuple[str, str]:
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     prefix = "activation" if "activation_checkpointing" in fields else "gradient"
     return f"{prefix}_checkpointing", f"{prefix}_checkpointing_kwargs"
+
+
+def disable_activation_checkpointing(model: nn.Module) -> None:
+    """Turn HF's activation checkpointing off again (no-op for a model without the switch).
+
+    transformers 5 names it `activation_checkpointing_disable()`; 4.57 (and 5.x through a deprecated alias)
+    `gradient_checkpointing_disable()`.
+    """
+    for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+        if hasattr(model, name):
+            getattr(model, name)()
+            return

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .ops.registry import BACKEND_CHOICES
+from .value_kinds import Kind, choice_list, choice_or_bool, layer_selection
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -89,12 +90,34 @@ class ParallelConfig:
             raise ValueError(f"parallel.prefetch={self.prefetch} must be >= 0")
 
 
+RECOMPUTE_MODULES = ("attention_core", "self_attn", "mlp", "norms")
+
+
 @dataclass
 class MemoryConfig:
-    """Memory features, one switch each."""
+    """Memory features, one switch each. `recompute` holds False (off), True (full; `full` reads back as True,
+    which it has always meant) or "selective"; `recompute_mode` names the three."""
 
-    recompute: bool = field(default=False, metadata=_help(
-        "recompute activations in backward (non-reentrant activation checkpointing of every decoder layer)"))
+    recompute: bool | str = field(default=False, metadata=_help(
+        "recompute activations in backward (non-reentrant activation checkpointing): false; full (whole decoder "
+        "layers; true means full); selective (only the parts of each layer in recompute_modules)",
+        kind=choice_or_bool(("full", "selective"), true_means="full")))
+    recompute_modules: list[str] = field(default_factory=lambda: ["attention_core", "mlp"], metadata=_help(
+        "what selective recompute reruns in each chosen decoder layer: attention_core (self-attention except its "
+        "projection matmuls, whose outputs are kept), self_attn (the whole self-attention), mlp (the MLP or MoE "
+        "block), norms (the layer's RMSNorms)", kind=choice_list(RECOMPUTE_MODULES)))
+    recompute_layers: str | int | list[int] = field(default="all", metadata=_help(
+        "which decoder layers recompute (full or selective): all, n (every n-th: 0, n, 2n, ...) or a list of "
+        "layer indices ([0, 2, 5]; as text 0,2,5)", kind=layer_selection()))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.metadata["kind"].check(f"memory.{f.name}", getattr(self, f.name)))
+
+    @property
+    def recompute_mode(self) -> str:
+        """"off", "full" or "selective"."""
+        return "full" if self.recompute is True else (self.recompute or "off")
 
 
 @dataclass
@@ -132,6 +155,11 @@ class Setting:
     choices: tuple[str, ...] | None = None
 
     @property
+    def parser_options(self) -> dict[str, Any]:
+        """Extra argparse options of the flag (a Kind's `nargs` / `const`); empty for plain types."""
+        return dict(self.type.parser_options) if isinstance(self.type, Kind) else {}
+
+    @property
     def path(self) -> str:
         """`kernels.rope`, `backend`: the name used in messages and YAML."""
         return f"{self.section}.{self.key}" if self.section else self.key
@@ -152,8 +180,9 @@ _TYPES = {"bool": bool, "int": int, "str": str}
 
 def _setting(section: str | None, f: dataclasses.Field) -> Setting:
     choices = f.metadata.get("choices")
-    return Setting(section, f.name, _TYPES[f.type] if isinstance(f.type, str) else f.type, f.default,
-                   f.metadata["help"], tuple(choices) if choices else None)
+    kind = f.metadata.get("kind") or (_TYPES[f.type] if isinstance(f.type, str) else f.type)
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return Setting(section, f.name, kind, default, f.metadata["help"], tuple(choices) if choices else None)
 
 
 def settings() -> Iterator[Setting]:
@@ -171,7 +200,9 @@ assert len({s.argument for s in _SETTINGS.values()}) == len(_SETTINGS), "setting
 
 
 # ---------------------------------------------------------------------------------------------- validation
-def _check_type(where: str, value: Any, expected: type) -> Any:
+def _check_type(where: str, value: Any, expected: type | Kind) -> Any:
+    if isinstance(expected, Kind):
+        return expected.check(where, value)
     if expected is bool and not isinstance(value, bool):
         raise ValueError(f"{where}={value!r} must be true or false")
     if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -247,6 +278,8 @@ class Layer:
 def _parse_env_value(setting: Setting, text: str, name: str | None = None) -> Any:
     """A variable's text as the setting's type; errors name the variable (`name`, default the setting's own)."""
     name = name or setting.env
+    if isinstance(setting.type, Kind):
+        return setting.type.check(name, text)
     if setting.type is bool:
         low = text.strip().lower()
         if low in ("1", "true", "yes", "on"):
@@ -337,12 +370,14 @@ class ResolvedConfig:
 
 
 def resolve(explicit: list[Layer] | None = None, *, yaml_source: Any = None, env: Mapping[str, str] | None = None,
-            base: MindSpeedConfig | None = None) -> ResolvedConfig:
+            base: MindSpeedConfig | None = None, fallback: list[Layer] | None = None) -> ResolvedConfig:
     """Resolve the layers: explicit > MINDSPEED_HF_* environment > YAML > accelerate environment > defaults.
 
     `explicit` layers are all of the top rank: if two of them set one setting to different values, that is an
     error naming both. `base` (a whole config, e.g. the one given to enable()) takes the place of the layers below
-    the explicit ones. Raises ValueError for unknown keys, bad values and contradictions.
+    the explicit ones. `fallback` layers (HF's own switches that mean one of our settings, such as
+    TrainingArguments' gradient_checkpointing) fill a setting only where every other source left it at its default.
+    Raises ValueError for unknown keys, bad values and contradictions.
     """
     if base is not None:
         layers = [Layer("config given to mindspeed_hf.enable()", flatten(base.to_dict()))]
@@ -364,6 +399,10 @@ def resolve(explicit: list[Layer] | None = None, *, yaml_source: Any = None, env
             names[path] = layer.names.get(path, path)
             if rank:
                 chosen.add(path)
+    for layer in fallback or []:
+        for path, value in layer.values.items():
+            if values.get(path, _SETTINGS[path].default) == _SETTINGS[path].default:
+                values[path], sources[path], names[path] = value, layer.source, layer.names.get(path, path)
     return ResolvedConfig(_build(values), sources, names)
 
 

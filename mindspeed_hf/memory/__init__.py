@@ -1,5 +1,5 @@
-"""Memory features, one setting each."""
+"""Memory features, one setting each: recompute (full or selective)."""
 
-from .recompute import enable_recompute
+from .recompute import apply_recompute_config, enable_recompute, remove_recompute
 
-__all__ = ["enable_recompute"]
+__all__ = ["apply_recompute_config", "enable_recompute", "remove_recompute"]

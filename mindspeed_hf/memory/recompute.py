@@ -1,18 +1,41 @@
-"""Recompute (activation checkpointing): one setting, `memory.recompute`, mapped onto HF's own switch."""
+"""Recompute (activation checkpointing): `memory.recompute: false | full | selective`, `memory.recompute_modules`,
+`memory.recompute_layers`.
+
+- full: HF's own switch (non-reentrant activation checkpointing of whole decoder layers), then the layers outside
+  `recompute_layers` switched back off one by one.
+- selective: the parts of each chosen decoder layer named in `recompute_modules` recompute (selective.py); the
+  rest of the layer keeps its activations.
+
+`apply_recompute_config` is what parallel.parallelize's recompute step runs; `remove_recompute` takes selective
+recompute off a model again. HF's own `gradient_checkpointing=True` (TrainingArguments) counts as `full` where no
+source set memory.recompute (`checkpointing_layer`), and then mindspeed_hf applies it (`take_over_checkpointing`).
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from torch import nn
 
-from ..compat import enable_activation_checkpointing
+from ..compat import (
+    disable_activation_checkpointing,
+    enable_activation_checkpointing,
+    training_args_checkpointing_names,
+)
+from ..config import Layer, MemoryConfig
+from . import selective
 
 logger = logging.getLogger("mindspeed_hf")
 
+#: Direct children of a decoder layer that make up each recompute_modules choice, by attribute name.
+_ATTENTION = ("self_attn",)
+_MLP = ("mlp", "block_sparse_moe", "feed_forward")
 
-def enable_recompute(model: nn.Module) -> None:
-    """Non-reentrant activation checkpointing through HF's own switch (also through a PEFT wrapper).
+
+def enable_recompute(model: nn.Module) -> bool:
+    """Non-reentrant activation checkpointing of every decoder layer through HF's own switch (also through a PEFT
+    wrapper). Returns False (with a warning) when the model has no such switch.
 
     Non-reentrant because the reentrant variant needs inputs that require grad (breaks frozen-base LoRA) and
     does not compose with FSDP2.
@@ -20,5 +43,110 @@ def enable_recompute(model: nn.Module) -> None:
     if not enable_activation_checkpointing(model, {"use_reentrant": False}):
         logger.warning("mindspeed_hf: recompute asked for, but %s has no activation checkpointing switch; it is off",
                        type(model).__name__)
-        return
+        return False
     logger.info("mindspeed_hf: recompute is on (non-reentrant activation checkpointing on every decoder layer)")
+    return True
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers (transformers' GradientCheckpointingLayer instances), in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def chosen_layers(selection: str | int | list[int], count: int) -> list[int]:
+    """The indices `memory.recompute_layers` picks out of `count` layers; an index past the last one is an error."""
+    if selection == "all":
+        return list(range(count))
+    if isinstance(selection, int):
+        return list(range(0, count, selection))
+    outside = [i for i in selection if i >= count]
+    if outside:
+        raise ValueError(f"memory.recompute_layers={selection!r}: the model has {count} decoder layers; valid "
+                         f"indices are 0..{count - 1}")
+    return list(selection)
+
+
+def layer_parts(layer: nn.Module, modules: list[str]) -> list[tuple[nn.Module, Any]]:
+    """(part, checkpoint context_fn) for each part of `layer` that `modules` (recompute_modules) names."""
+    children = dict(layer.named_children())
+    parts: list[tuple[nn.Module, Any]] = []
+    if "self_attn" in modules or "attention_core" in modules:
+        context = None if "self_attn" in modules else selective.ATTENTION_CORE_CONTEXT
+        parts += [(children[n], context) for n in _ATTENTION if n in children]
+    if "mlp" in modules:
+        parts += [(children[n], None) for n in _MLP if n in children]
+    if "norms" in modules:
+        parts += [(child, None) for name, child in children.items() if name.endswith("norm")]
+    return parts
+
+
+def remove_recompute(model: nn.Module) -> None:
+    """Take selective recompute off `model` (every part back to its own forward)."""
+    for module in model.modules():
+        selective.unwrap(module)
+
+
+def _layer_checkpointing_on(model: nn.Module) -> bool:
+    return any(getattr(layer, "gradient_checkpointing", False) for layer in decoder_layers(model))
+
+
+def apply_recompute_config(model: nn.Module, memory: MemoryConfig) -> None:
+    """Apply `memory.recompute*` to `model` (a transformers model or a PEFT wrapper of one); applying again
+    replaces what an earlier call did. `off` leaves the model as it is."""
+    mode = memory.recompute_mode
+    if mode == "off":
+        return
+    remove_recompute(model)
+    layers = decoder_layers(model)
+    chosen = chosen_layers(memory.recompute_layers, len(layers))
+    if mode == "full":
+        if enable_recompute(model):
+            for index, layer in enumerate(layers):
+                layer.gradient_checkpointing = index in chosen
+        return
+    if _layer_checkpointing_on(model):
+        logger.info("mindspeed_hf: selective recompute replaces the whole-layer checkpointing that was on")
+        disable_activation_checkpointing(model)
+    wrapped = 0
+    for index in chosen:
+        for part, context in layer_parts(layers[index], memory.recompute_modules):
+            selective.wrap(part, context)
+            wrapped += 1
+    if not wrapped:
+        logger.warning("mindspeed_hf: selective recompute asked for, but %s has no %s in its decoder layers; "
+                       "nothing recomputes", type(model).__name__, ", ".join(memory.recompute_modules))
+        return
+    logger.info("mindspeed_hf: recompute is on (selective: %s in %d of %d decoder layers)",
+                ", ".join(memory.recompute_modules), len(chosen), len(layers))
+
+
+# ----------------------------------------------------------------------------- HF's own gradient_checkpointing
+_TAKEN = "_mindspeed_took_checkpointing"
+
+
+def checkpointing_layer(args: Any) -> Layer:
+    """TrainingArguments' own switch (`gradient_checkpointing` / `activation_checkpointing`) as a fallback layer:
+    True means memory.recompute=full where no source set memory.recompute (see config.resolve's `fallback`)."""
+    switch, _ = training_args_checkpointing_names()
+    on = bool(getattr(args, switch, False)) or bool(getattr(args, "__dict__", {}).get(_TAKEN))
+    if not on:
+        return Layer("TrainingArguments", {})
+    return Layer(f"TrainingArguments ({switch})", {"memory.recompute": True}, {"memory.recompute": switch})
+
+
+def take_over_checkpointing(args: Any, memory: MemoryConfig) -> None:
+    """When mindspeed_hf applies recompute to the trainer's model itself (before sharding, non-reentrant, only the
+    chosen layers or parts), switch TrainingArguments' own switch off so Trainer.train does not checkpoint every
+    whole layer again on top; the args remember it (a second trainer given them still reads full)."""
+    switch, kwargs = training_args_checkpointing_names()
+    if args is None or not getattr(args, switch, False) or memory.recompute_mode == "off":
+        return
+    if getattr(args, kwargs, None):
+        logger.info("mindspeed_hf: %s=%r are not used: mindspeed_hf's recompute is non-reentrant", kwargs,
+                    getattr(args, kwargs))
+    logger.info("mindspeed_hf: %s=True is applied by mindspeed_hf as memory.recompute=%s", switch,
+                memory.recompute_mode)
+    setattr(args, switch, False)
+    args.__dict__[_TAKEN] = True

@@ -63,6 +63,7 @@ def init_distributed(
         device = torch.device(device_type, local_rank)
     else:
         device = torch.device("cpu")
+    _quiesce_at_exit()
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             os.environ.setdefault("RANK", "0")
@@ -76,27 +77,31 @@ def init_distributed(
         if device_type == "cuda":  # binds the NCCL communicator eagerly; hccl takes set_device
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
-        _destroy_at_exit()  # only a group we created: the caller's own group is theirs to shut down
+        _destroy_at_exit()  # only a group we created: a group someone else started is theirs to shut down
     return device
 
 
 @functools.cache
-def _destroy_at_exit() -> None:
-    """Shut the process groups down cleanly when the script ends (scripts rarely call destroy_process_group).
+def _quiesce_at_exit() -> None:
+    """At exit, wait (briefly, locally) until the gloo worker threads are idle, whoever created the group.
 
-    The gloo groups outlive that call (DTensor's sharding caches keep their meshes), so their worker threads
-    live into interpreter finalisation. A worker drops a finished collective's tensors only after the waiter
-    has moved on; starved of CPU until finalisation, it then needs the GIL and aborts the process ("terminate
-    called without an active exception") after a run that succeeded. So wait, briefly and locally (no
-    collective, no hang when a peer died), until those threads are idle.
+    Our meshes add gloo groups, and DTensor's sharding caches keep them (and their worker threads) alive into
+    interpreter finalisation. A worker drops a finished collective's tensors only after the waiter has moved on;
+    starved of CPU until finalisation, it then needs the GIL and aborts the process ("terminate called without an
+    active exception") after a run that succeeded. Waiting here lets it finish first; it has no collective in it,
+    so it cannot hang when a peer died, and it destroys nothing.
     """
+    atexit.register(_wait_for_idle_gloo_workers)
+
+
+@functools.cache
+def _destroy_at_exit() -> None:
+    """Shut down, at exit, the default process group init_distributed started (scripts rarely call
+    destroy_process_group). Registered after _quiesce_at_exit, so it runs before the wait."""
 
     def destroy() -> None:
-        try:
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            _wait_for_idle_gloo_workers()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
     atexit.register(destroy)
 

@@ -2,7 +2,7 @@
 
 The steps run in this order, each a small function `step(model, dims, config, options) -> model`:
 
-    1. recompute   memory.recompute: non-reentrant activation checkpointing of every decoder layer
+    1. recompute   memory.recompute*: non-reentrant activation checkpointing, full or selective
     2. fsdp        parallel.*: FSDP2 / HSDP over the mesh `dims` built (each decoder layer, the embeddings, the
                    final norm + lm_head, the root)
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import MindSpeedConfig
-from ..memory import enable_recompute
+from ..memory import apply_recompute_config
 from .dims import ParallelDims, fsdp_mesh
 from .fsdp import apply_fsdp, unwrap_hf_model
 
@@ -49,9 +49,9 @@ Step = Callable[[nn.Module, "ParallelDims | None", MindSpeedConfig, ParallelizeO
 
 def apply_recompute(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
                     options: ParallelizeOptions) -> nn.Module:
-    """Step 1: recompute, when memory.recompute is on."""
-    if config.memory.recompute:
-        enable_recompute(model)
+    """Step 1: recompute, when memory.recompute is on: full (whole decoder layers) or selective (the parts of each
+    layer memory.recompute_modules names), in the layers memory.recompute_layers picks."""
+    apply_recompute_config(model, config.memory)
     return model
 
 

@@ -56,7 +56,8 @@ def resolve_for(args: TrainingArguments | None, base: MindSpeedConfig | None = N
         explicit.append(hf_fsdp_layer(args))
         if isinstance(args, _MindSpeedFields):
             explicit.append(args.mindspeed_layer())
-    return resolve(explicit, base=base)
+    from ..memory.recompute import checkpointing_layer  # HF's own gradient_checkpointing=True: full recompute
+    return resolve(explicit, base=base, fallback=[checkpointing_layer(args)] if args is not None else None)
 
 
 class _MindSpeedFields:
@@ -110,6 +111,7 @@ def _argument(setting: Setting) -> tuple[str, type, Any]:
                                         f"{setting.env}, or {setting.path} in MINDSPEED_HF_CONFIG)"}
     if setting.choices:
         metadata["choices"] = list(setting.choices)
+    metadata.update(setting.parser_options)  # e.g. a bare `--mindspeed_recompute` means true
     # Annotated with the plain type so HfArgumentParser keeps bare boolean flags (`--mindspeed_recompute`);
     # None means "not set here".
     return setting.argument, setting.type, field(default=None, metadata=metadata)

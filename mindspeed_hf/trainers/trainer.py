@@ -20,6 +20,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from ..config import MindSpeedConfig, ResolvedConfig
+from ..memory.recompute import take_over_checkpointing
 from ..parallel.parallelize import ParallelizeOptions, parallelize
 from . import fsdp, seams
 from .arguments import resolve_for
@@ -54,6 +55,7 @@ def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpe
     if not mindspeed_hf.is_enabled():  # the kernels are patched in once per process; settings stay per model
         mindspeed_hf.enable()
     trainer._mindspeed_config = resolved.config
+    take_over_checkpointing(args, resolved.config.memory)  # we apply it: Trainer.train must not again
     # Trainer.__init__ has not run yet when the hook runs: keep the arguments where the hook can read them.
     trainer._mindspeed_args = args
     trainer._mindspeed_report = None

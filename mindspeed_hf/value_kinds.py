@@ -1,0 +1,104 @@
+"""Value kinds of settings beyond plain bool / int / str, for mindspeed_hf.config: a choice that may also be given
+as a bool, a list of choices, a layer selection. Each kind is one function from a value (YAML or Python) or text (a
+MINDSPEED_HF_* variable, a command-line flag) to the canonical value, or a one-line ValueError that names the
+setting and the valid choices."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A setting's value kind. `check(where, value)` returns the canonical value or raises ValueError naming `where`.
+
+    A Kind is also the setting's training-argument type: argparse calls it on the flag's text. `parser_options`
+    go to the flag as well (`nargs="?"` and `const=True` keep a bare `--flag` meaning true)."""
+
+    name: str
+    check: Callable[[str, Any], Any]
+    parser_options: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self, text: str) -> Any:
+        try:
+            return self.check("value", text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _words(text: str) -> list[str]:
+    """`a,b`, `[a, b]` or `a`: the items of a list given as text."""
+    return [w.strip() for w in text.strip().strip("[]").split(",") if w.strip()]
+
+
+_TRUE = ("true", "on", "yes", "1")
+_FALSE = ("false", "off", "no", "0")
+
+
+def choice_or_bool(choices: tuple[str, ...], true_means: str) -> Kind:
+    """False, or one of `choices`. True (and the text true/on/yes/1) is the choice `true_means`, whose canonical
+    value is True; false/off/no/0 are False; any other choice is kept as its (lower-case) name."""
+    valid = ", ".join(("false", *choices))
+
+    def check(where: str, value: Any) -> bool | str:
+        if isinstance(value, bool):
+            return value
+        text = value.strip().lower() if isinstance(value, str) else None
+        if text in _TRUE or text == true_means:
+            return True
+        if text in _FALSE:
+            return False
+        if text in choices:
+            return text
+        raise ValueError(f"{where}={value!r} is not valid; choose one of {valid} (true means {true_means})")
+
+    return Kind(f"one of {valid}", check, (("nargs", "?"), ("const", True)))
+
+
+def choice_list(choices: tuple[str, ...]) -> Kind:
+    """A non-empty list of names out of `choices` (as text: comma-separated); duplicates dropped, order kept."""
+
+    def check(where: str, value: Any) -> list[str]:
+        items = _words(value) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not items or not all(isinstance(i, str) for i in items):
+            raise ValueError(f"{where}={value!r} must be a non-empty list of: {', '.join(choices)}")
+        bad = [i for i in items if i not in choices]
+        if bad:
+            raise ValueError(f"{where}={value!r}: {', '.join(bad)} not valid; choose from {', '.join(choices)}")
+        return list(dict.fromkeys(items))
+
+    return Kind(f"a list of {', '.join(choices)}", check)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _selection(where: str, value: Any) -> str | int | list[int]:
+    original = value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "all":
+            return "all"
+        try:
+            value = [int(w) for w in _words(text)] if ("," in text or text.startswith("[")) else int(text)
+        except ValueError:
+            pass
+    if _is_int(value) and value >= 1:
+        return value
+    if isinstance(value, (list, tuple)) and value and all(_is_int(i) and i >= 0 for i in value):
+        return sorted(set(value))
+    raise ValueError(f"{where}={original!r} is not valid; choose all, an integer n >= 1 (every n-th layer) or a "
+                     "non-empty list of layer indices >= 0")
+
+
+def layer_selection() -> Kind:
+    """`all`, an integer n >= 1 (every n-th layer: 0, n, 2n, ...) or a list of layer indices (as text `0,2,5`, or
+    `[3]` for a single index)."""
+    return Kind("all, n or a list of layer indices", _selection)
