@@ -98,25 +98,32 @@ def test_local_shard_slices_hsdp():
             assert torch.equal(got, torch.chunk(t, 2)[r])
 
 
-def test_process_group_is_shut_down_at_exit(tmp_path):
-    """init_distributed registers a clean shutdown: the group is destroyed and the gloo worker threads (found
-    by name, so a torch rename would show here) are idle before the interpreter finalises."""
+def _run_to_exit(tmp_path, body: str):
+    """Run `body` in a fresh interpreter (no torchrun variables) after an atexit hook that reports, after ours,
+    whether the default group is still up; returns the finished process."""
     import subprocess
     import sys
 
     script = tmp_path / "run.py"
     script.write_text(
-        "import atexit, torch, torch.distributed as dist\n"
-        "from mindspeed_hf.parallel.dims import _gloo_worker_states, init_distributed\n"
+        "import atexit, os, torch, torch.distributed as dist\n"
+        "from mindspeed_hf.parallel.dims import _free_port, _gloo_worker_states, init_distributed\n"
         "atexit.register(lambda: print('initialized at the end:', dist.is_initialized()))  # runs after ours\n"
-        "init_distributed('cpu')\n"
-        "dist.all_reduce(torch.ones(3))\n"
-        "print('workers:', sorted(set(_gloo_worker_states())) or 'none')\n")
+        + body)
     env = {**os.environ, "MINDSPEED_HF_AUTO": "0"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def test_process_group_is_shut_down_at_exit(tmp_path):
+    """init_distributed registers a clean shutdown: the group is destroyed and the gloo worker threads (found
+    by name, so a torch rename would show here) are idle before the interpreter finalises."""
+    proc = _run_to_exit(tmp_path, "init_distributed('cpu')\n"
+                                  "dist.all_reduce(torch.ones(3))\n"
+                                  "print('workers:', sorted(set(_gloo_worker_states())) or 'none')\n")
     assert "workers: none" not in proc.stdout and "workers: [" in proc.stdout, proc.stdout
     assert "initialized at the end: False" in proc.stdout, proc.stdout
 
@@ -124,21 +131,9 @@ def test_process_group_is_shut_down_at_exit(tmp_path):
 def test_a_group_we_did_not_create_is_left_alone_at_exit(tmp_path):
     """A process group the script (or accelerate) started is not destroyed by our exit hook; the gloo workers are
     still waited for."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "run.py"
-    script.write_text(
-        "import atexit, os, torch, torch.distributed as dist\n"
-        "from mindspeed_hf.parallel.dims import init_distributed\n"
-        "atexit.register(lambda: print('initialized at the end:', dist.is_initialized()))  # runs after ours\n"
-        "os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT='29533')\n"
-        "dist.init_process_group('gloo')\n"
-        "init_distributed('cpu')\n"
-        "dist.all_reduce(torch.ones(3))\n")
-    env = {**os.environ, "MINDSPEED_HF_AUTO": "0"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _run_to_exit(tmp_path, "os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', "
+                                  "MASTER_PORT=str(_free_port()))\n"
+                                  "dist.init_process_group('gloo')\n"
+                                  "init_distributed('cpu')\n"
+                                  "dist.all_reduce(torch.ones(3))\n")
     assert "initialized at the end: True" in proc.stdout, proc.stdout
