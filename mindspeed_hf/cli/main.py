@@ -14,8 +14,10 @@ import sys
 USAGE = """mindspeed-hf <command> [options]
 
 commands:
-  train [CONFIG.yaml] [--metrics-file F] [--skip-quality-eval] [--<TrainingArguments key> VALUE ...]
-        SFT run from a YAML run description (no CONFIG: the embedded tiny default run)
+  train [CONFIG.yaml] [--metrics-file F] [--skip-quality-eval] [--resume_from_checkpoint [PATH]]
+        [--<TrainingArguments key> VALUE ...]
+        SFT run from a YAML run description (no CONFIG: the embedded tiny default run); with
+        --resume_from_checkpoint it continues from PATH, or without PATH from the newest checkpoint in output_dir
   env   device, versions and the kernel each op uses here, as a markdown table
   bench [CONFIG.yaml] [--steps N] [--<TrainingArguments key> VALUE ...]
         the same short run without and with the accelerator, side by side
@@ -38,9 +40,19 @@ def _setup_logging() -> None:
     logger.setLevel(logging.INFO)
 
 
+def _resume_flag(argv: list[str]) -> list[str]:
+    """`--resume_from_checkpoint` with no PATH after it means "the newest checkpoint" (Trainer's True)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--resume_from_checkpoint" and (i + 1 == len(out) or out[i + 1].startswith("--")):
+            out.insert(i + 1, "true")
+            break
+    return out
+
+
 def cmd_train(argv: list[str]) -> int:
     """`mindspeed-hf train`."""
-    config, rest = _split_config(argv)
+    config, rest = _split_config(_resume_flag(argv))
     parser = argparse.ArgumentParser(prog="mindspeed-hf train", allow_abbrev=False, add_help=False)
     parser.add_argument("--metrics-file", default=None, help="write the run's metrics as JSON here")
     parser.add_argument("--skip-quality-eval", action="store_true", help="skip the before/after quality check")
@@ -51,11 +63,12 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     _setup_logging()
     from .run_config import load_run_config
-    from .train import run_training, training_args_for
+    from .train import check_resume, run_training, training_args_for
 
     try:  # configuration errors: one clear line, before any model is built
         run = load_run_config(config)
         args = training_args_for(run, overrides)
+        check_resume(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"mindspeed-hf train: error: {err}", file=sys.stderr)
         return 2

@@ -118,9 +118,9 @@ def _accelerator_state(result: dict[str, Any]) -> str:
 def _print_summary(result: dict[str, Any]) -> None:
     lines = [f"\nmindspeed-hf train: {result['model_type']} ({result['params'] / 1e6:.2f}M params) on "
              f"{result['device']}, accelerator {_accelerator_state(result)}"]
-    if result.get("before"):
+    if result.get("after"):
         lines.append(f"{'':16}{'held-out loss':>14}{'exact match':>16}")
-        for name in ("before", "after"):
+        for name in [n for n in ("before", "after") if result.get(n)]:
             q = result[name]
             n = q["num_prompts"]
             match = f"{round(q['exact_match'] * n)}/{n} ({100 * q['exact_match']:.1f}%)"
@@ -139,6 +139,26 @@ def training_args_for(run: RunConfig, overrides: list[str] | None = None):
     import mindspeed_hf
 
     return build_training_args(run, overrides or [], mindspeed_hf.is_enabled())
+
+
+def _resume_target(value: str | None) -> str | bool | None:
+    """TrainingArguments.resume_from_checkpoint as Trainer.train takes it: "true" -> the newest checkpoint."""
+    if value is None or str(value).lower() in ("", "false", "no"):
+        return None
+    return True if str(value).lower() in ("true", "yes") else str(value)
+
+
+def check_resume(args: Any) -> None:
+    """Fail before any work when --resume_from_checkpoint has nothing to resume from."""
+    target = _resume_target(args.resume_from_checkpoint)
+    if target is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        if not Path(args.output_dir).is_dir() or get_last_checkpoint(args.output_dir) is None:
+            raise FileNotFoundError(f"--resume_from_checkpoint: no checkpoint-N directory in output_dir "
+                                    f"{str(args.output_dir)!r}; give a checkpoint path, or the output_dir of the run")
+    elif target is not None and not Path(target).is_dir():
+        raise FileNotFoundError(f"--resume_from_checkpoint: {target!r} is not a directory")
 
 
 def run_training(run: RunConfig, args: Any = None, metrics_file: str | None = None,
@@ -169,8 +189,10 @@ def run_training(run: RunConfig, args: Any = None, metrics_file: str | None = No
                           data_collator=PaddingCollator(tokenizer.pad_token_id), processing_class=tokenizer,
                           callbacks=[throughput])
     do_quality = run.evaluation.enabled if quality_eval is None else quality_eval
-    before = _quality(trainer, tokenizer, eval_rows, run) if do_quality else None
-    output = trainer.train()
+    resume = _resume_target(args.resume_from_checkpoint)
+    # "before" is the untrained model's quality: meaningless for a run that continues from a checkpoint
+    before = _quality(trainer, tokenizer, eval_rows, run) if do_quality and resume is None else None
+    output = trainer.train(resume_from_checkpoint=resume)
     after = _quality(trainer, tokenizer, eval_rows, run) if do_quality else None
     trainer.save_model(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)

@@ -78,3 +78,29 @@ def test_bench_runs_both_sides(tmp_path):
     assert len(losses) == 2
     for line in losses:
         assert float(line.split("|")[4]) <= 1e-5, line
+
+
+def test_train_resume_flag_continues_the_run(tmp_path):
+    """`--resume_from_checkpoint` (no PATH: the newest checkpoint of output_dir) continues a stopped run with the
+    losses the uninterrupted run has."""
+    common = ["train", "--skip-quality-eval", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2",
+              "--lr_scheduler_type", "constant"]
+
+    def losses(out: str, *extra: str) -> dict:
+        metrics = tmp_path / f"{out}-{len(extra)}.json"
+        cli([*common, "--output_dir", str(tmp_path / out), "--metrics-file", str(metrics), *extra])
+        return json.loads(metrics.read_text())
+
+    whole = losses("whole", "--max_steps", "6")
+    losses("stopped", "--max_steps", "4")
+    resumed = losses("stopped", "--max_steps", "6", "--resume_from_checkpoint")
+    assert resumed["steps"] == 6 and sorted(resumed["losses"]) == ["5", "6"]
+    for step in ("5", "6"):
+        assert abs(resumed["losses"][step] - whole["losses"][step]) <= 1e-5, step
+
+
+def test_train_resume_with_nothing_to_resume_fails_before_work(tmp_path):
+    proc = cli(["train", "--output_dir", str(tmp_path / "empty"), "--resume_from_checkpoint"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "mindspeed-hf train: error: --resume_from_checkpoint: no checkpoint-N directory in output_dir")
