@@ -258,7 +258,13 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"config file {str(file)!r} does not exist")
-    data = yaml.safe_load(file.read_text()) or {}
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as err:  # one line with the file and the place, not PyYAML's traceback
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"config file {str(file)!r} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(file)!r} must hold a mapping at the top level")
     return data

@@ -119,6 +119,45 @@ def _existing(setting: str, value: str | None, base: Path, required: bool = True
     return str(path)
 
 
+def _scalar_type(hint: Any) -> type | None:
+    """int / float / bool behind a TrainingArguments annotation (also inside Optional[...] / X | None)."""
+    import typing
+
+    options = typing.get_args(hint) or (hint,)
+    scalars = [t for t in options if t in (bool, int, float)]
+    return scalars[0] if len(scalars) == 1 and all(t in (bool, int, float, type(None)) for t in options) else None
+
+
+def _typed_training_values(values: dict[str, Any]) -> dict[str, Any]:
+    """The `training` section with numbers and booleans checked against TrainingArguments' types: a string where
+    a number goes (YAML 1.1 reads `3e-3` as a string) is converted as the command line would; anything else that
+    does not fit fails here, naming the field."""
+    import typing
+
+    from transformers import TrainingArguments
+
+    hints = typing.get_type_hints(TrainingArguments)
+    out = dict(values)
+    for key, value in values.items():
+        kind = _scalar_type(hints.get(key))
+        if kind is None or value is None or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))):
+            continue
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        text = str(value).strip()
+        try:
+            if kind is bool:
+                if text.lower() not in ("true", "false", "yes", "no", "1", "0"):
+                    raise ValueError
+                out[key] = text.lower() in ("true", "yes", "1")
+            else:
+                out[key] = kind(text)
+        except ValueError:
+            what = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+            raise ValueError(f"training.{key}={value!r} must be {what}") from None
+    return out
+
+
 def training_keys() -> list[str]:
     """The TrainingArguments keys the `training` section accepts."""
     from transformers import TrainingArguments
@@ -180,7 +219,7 @@ def parse_run_config(data: dict[str, Any], base: Path, source: str = "<dict>") -
     if stray:
         raise ValueError(f"training.{stray[0]}: accelerator settings go in the `features` and `parallel` sections "
                          f"(features: {', '.join(FEATURE_KEYS)})")
-    training = _check_keys("training", data.get("training"), training_keys())
+    training = _typed_training_values(_check_keys("training", data.get("training"), training_keys()))
     return RunConfig(
         model=_validate_model(_spec("model", ModelSpec, data.get("model")), base),
         data=_validate_data(_spec("data", DataSpec, data.get("data")), base),

@@ -81,9 +81,10 @@ def validate_backend_name(name: str, setting: str = "MINDSPEED_HF_BACKEND") -> s
     return name
 
 
-def set_backend(name: str | None) -> None:
-    """Force a backend (or None to re-read MINDSPEED_HF_BACKEND). Validated before anything runs."""
-    _backend["requested"] = None if name is None else validate_backend_name(name)
+def set_backend(name: str | None, setting: str = "backend") -> None:
+    """Force a backend (or None to re-read MINDSPEED_HF_BACKEND). Validated before anything runs; errors name
+    `setting`, where the value came from."""
+    _backend["requested"] = None if name is None else validate_backend_name(name, setting)
 
 
 def use_backend(name: str | None) -> contextvars.Token:

@@ -59,6 +59,9 @@ def test_default_run_config_is_valid():
     (lambda d: d["parallel"].update(cp=0), "parallel.cp=0 must be >= 1"),
     (lambda d: d["model"].update(name_or_path="x"), "exactly one of model.config"),
     (lambda d: d["model"].update(dtype="float8"), "model.dtype='float8' is not valid"),
+    (lambda d: d["training"].update(max_steps="lots"), "training.max_steps='lots' must be an integer"),
+    (lambda d: d["training"].update(learning_rate="fast"), "training.learning_rate='fast' must be a number"),
+    (lambda d: d["training"].update(bf16="maybe"), "training.bf16='maybe' must be true or false"),
 ])
 def test_bad_keys_and_values(tmp_path, no_model_building, mutate, message):
     with pytest.raises(ValueError) as err:
@@ -108,3 +111,23 @@ def test_cli_reports_config_errors_before_work(tmp_path):
     assert proc.returncode == 2
     assert "mindspeed-hf train: error:" in proc.stderr and "data.train" in proc.stderr and "nope.jsonl" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_yaml_1_1_numbers_are_taken_as_hf_takes_them(tmp_path, no_model_building):
+    """`learning_rate: 3e-3` is a string to YAML 1.1 (PyYAML): converted as the command line converts it."""
+    path = _write(tmp_path, lambda d: d["training"].update(max_steps="7"))
+    text = open(path).read()
+    assert "learning_rate:" in text
+    lines = [("  learning_rate: 3e-3" if ln.strip().startswith("learning_rate:") else ln) for ln in text.splitlines()]
+    open(path, "w").write("\n".join(lines) + "\n")
+    run = run_config.load_run_config(path)
+    assert run.training["learning_rate"] == 3e-3 and run.training["max_steps"] == 7
+
+
+def test_invalid_yaml_is_one_line_naming_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  config: {model_type: qwen3\ndata: [\n")
+    with pytest.raises(ValueError) as err:
+        run_config.load_run_config(str(path))
+    message = str(err.value)
+    assert "broken.yaml" in message and "is not valid YAML (line" in message and "\n" not in message
