@@ -8,7 +8,7 @@
 
 `apply_recompute_config` is what parallel.parallelize's recompute step runs; `remove_recompute` takes selective
 recompute off a model again. HF's own `gradient_checkpointing=True` (TrainingArguments) counts as `full` where no
-source set memory.recompute (`checkpointing_layer`), and then mindspeed_hf applies it (`take_over_checkpointing`).
+source set memory.recompute (`checkpointing_layer`), and then mindspeed_hf applies it (`absorb_hf_checkpointing`).
 """
 
 from __future__ import annotations
@@ -123,23 +123,24 @@ def apply_recompute_config(model: nn.Module, memory: MemoryConfig) -> None:
 
 
 # ----------------------------------------------------------------------------- HF's own gradient_checkpointing
-_TAKEN = "_mindspeed_took_checkpointing"
-
-
 def checkpointing_layer(args: Any) -> Layer:
     """TrainingArguments' own switch (`gradient_checkpointing` / `activation_checkpointing`) as a fallback layer:
     True means memory.recompute=full where no source set memory.recompute (see config.resolve's `fallback`)."""
     switch, _ = training_args_checkpointing_names()
-    on = bool(getattr(args, switch, False)) or bool(getattr(args, "__dict__", {}).get(_TAKEN))
-    if not on:
+    if not getattr(args, switch, False):
         return Layer("TrainingArguments", {})
     return Layer(f"TrainingArguments ({switch})", {"memory.recompute": True}, {"memory.recompute": switch})
 
 
-def take_over_checkpointing(args: Any, memory: MemoryConfig) -> None:
-    """When mindspeed_hf applies recompute to the trainer's model itself (before sharding, non-reentrant, only the
-    chosen layers or parts), switch TrainingArguments' own switch off so Trainer.train does not checkpoint every
-    whole layer again on top; the args remember it (a second trainer given them still reads full)."""
+def _already_applied(*_: Any, **__: Any) -> None:
+    """Stands for Trainer's own checkpointing switch on a model mindspeed_hf applied memory.recompute to."""
+
+
+def absorb_hf_checkpointing(model: nn.Module, args: Any, memory: MemoryConfig) -> None:
+    """When mindspeed_hf applied recompute to the trainer's model itself (before sharding, non-reentrant, only the
+    chosen layers or parts) and TrainingArguments' own switch is on too, Trainer.train would checkpoint every whole
+    layer again on top: make that call a no-op on this model (the arguments are left as the user wrote them, so
+    the copy saved in checkpoints is theirs)."""
     switch, kwargs = training_args_checkpointing_names()
     if args is None or not getattr(args, switch, False) or memory.recompute_mode == "off":
         return
@@ -148,5 +149,7 @@ def take_over_checkpointing(args: Any, memory: MemoryConfig) -> None:
                     getattr(args, kwargs))
     logger.info("mindspeed_hf: %s=True is applied by mindspeed_hf as memory.recompute=%s", switch,
                 memory.recompute_mode)
-    setattr(args, switch, False)
-    args.__dict__[_TAKEN] = True
+    target = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        if hasattr(target, name):
+            setattr(target, name, _already_applied)

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from ..config import MindSpeedConfig, ResolvedConfig
-from ..memory.recompute import take_over_checkpointing
+from ..memory.recompute import absorb_hf_checkpointing
 from ..parallel.parallelize import ParallelizeOptions, parallelize
 from . import fsdp, seams
 from .arguments import resolve_for
@@ -55,7 +55,6 @@ def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpe
     if not mindspeed_hf.is_enabled():  # the kernels are patched in once per process; settings stay per model
         mindspeed_hf.enable()
     trainer._mindspeed_config = resolved.config
-    take_over_checkpointing(args, resolved.config.memory)  # we apply it: Trainer.train must not again
     # Trainer.__init__ has not run yet when the hook runs: keep the arguments where the hook can read them.
     trainer._mindspeed_args = args
     trainer._mindspeed_report = None
@@ -80,6 +79,7 @@ def prepare_model(trainer: Trainer, model: nn.Module) -> nn.Module:
                                  layer_classes=plan.layer_classes if plan else None,
                                  broadcast_from_rank0=bool(plan and plan.cpu_ram_efficient_loading))
     model = parallelize(model, dims, config, options)
+    absorb_hf_checkpointing(model, trainer._mindspeed_args, config.memory)  # applied: Trainer.train must not again
     if dims is not None:
         fsdp.log_sharded(trainer)
     return model
