@@ -114,13 +114,16 @@ def env_report() -> str:
     """The whole report as markdown."""
     import mindspeed_hf
 
-    config = mindspeed_hf.get_config()
+    try:
+        backend = mindspeed_hf.get_config().backend
+    except ValueError as err:  # a bad setting: say which, and report the rest
+        backend = f"(invalid config: {err})"
     settings = [
         ("mindspeed_hf", f"{mindspeed_hf.__version__} ({Path(mindspeed_hf.__file__).parent})"),
         ("enabled", f"{mindspeed_hf.is_enabled()} (MINDSPEED_HF_AUTO={os.environ.get('MINDSPEED_HF_AUTO', 'unset')})"),
         ("MINDSPEED_HF_BACKEND", os.environ.get("MINDSPEED_HF_BACKEND", "unset")),
         ("MINDSPEED_HF_CONFIG", os.environ.get("MINDSPEED_HF_CONFIG", "unset")),
-        ("config backend", config.backend),
+        ("config backend", backend),
         ("supported", versions.describe()),
         ("python", sys.version.split()[0]),
         ("platform", platform.platform()),
@@ -142,7 +145,10 @@ def setting_rows() -> list[tuple[str, str, str]]:
     """Each setting the environment / YAML / accelerate launch sets for this process, and where it came from."""
     from ..config import resolve
 
-    resolved = resolve()
+    try:
+        resolved = resolve()
+    except ValueError as err:  # a bad MINDSPEED_HF_* / accelerate variable: the report says which, then goes on
+        return [("(invalid)", str(err), "fix this before training")]
     return [(path, repr(resolved.value(path)), f"{resolved.names[path]} ({resolved.sources[path]})")
             for path in resolved.sources] or [("(none)", "", "all defaults")]
 

@@ -34,6 +34,16 @@ def test_env_explains_a_forced_backend_fallback(capsys, monkeypatch):
         assert "MINDSPEED_HF_BACKEND=cuda -> cuda, but liger-kernel/triton not importable: falls back to torch" in out
 
 
+def test_env_lists_settings_and_names_a_bad_one(capsys, monkeypatch):
+    monkeypatch.setenv("MINDSPEED_HF_PARALLEL_PREFETCH", "2")
+    assert main(["env"]) == 0
+    assert "| parallel.prefetch | 2 | MINDSPEED_HF_PARALLEL_PREFETCH (environment (MINDSPEED_HF_*)) |" in (
+        capsys.readouterr().out)
+    monkeypatch.setenv("MINDSPEED_HF_KERNELS_ROPE", "maybe")
+    assert main(["env"]) == 0  # the report still comes, and says what is wrong
+    assert "| (invalid) | MINDSPEED_HF_KERNELS_ROPE='maybe' must be true or false |" in capsys.readouterr().out
+
+
 def test_unknown_command():
     assert main(["trian"]) == 2
 
