@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 USAGE = """mindspeed-hf <command> [options]
@@ -50,6 +51,12 @@ def _resume_flag(argv: list[str]) -> list[str]:
     return out
 
 
+def _error(command: str, err: Exception) -> None:
+    """One line on stderr, from rank 0 only under torchrun (every rank finds the same error; they all exit 2)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"mindspeed-hf {command}: error: {err}", file=sys.stderr)
+
+
 def cmd_train(argv: list[str]) -> int:
     """`mindspeed-hf train`."""
     config, rest = _split_config(_resume_flag(argv))
@@ -63,14 +70,15 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     _setup_logging()
     from .run_config import load_run_config
-    from .train import check_resume, run_training, training_args_for
+    from .train import check_parallel_sizes, check_resume, run_training, training_args_for
 
     try:  # configuration errors: one clear line, before any model is built
         run = load_run_config(config)
         args = training_args_for(run, overrides)
         check_resume(args)
+        check_parallel_sizes(run, args)
     except (ValueError, FileNotFoundError) as err:
-        print(f"mindspeed-hf train: error: {err}", file=sys.stderr)
+        _error("train", err)
         return 2
     run_training(run, args, metrics_file=own.metrics_file, quality_eval=False if own.skip_quality_eval else None)
     return 0
@@ -89,7 +97,7 @@ def cmd_bench(argv: list[str]) -> int:
     try:  # fail here, once, on a bad config rather than in both subprocesses
         load_run_config(config)
     except (ValueError, FileNotFoundError) as err:
-        print(f"mindspeed-hf bench: error: {err}", file=sys.stderr)
+        _error("bench", err)
         return 2
     table, _, _ = bench(config, steps=own.steps, overrides=overrides, workdir=own.workdir)
     print(table)

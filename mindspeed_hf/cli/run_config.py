@@ -260,6 +260,10 @@ def build_training_args(run: RunConfig, overrides: list[str], accelerated: bool)
     defaults.setdefault("output_dir", "./mindspeed_hf_output")
     # Tokens seen per step feed the tokens/s in the log.
     defaults.setdefault("include_num_input_tokens_seen", "non_padding")
+    from ..device import detect_device_type
+
+    if detect_device_type() == "cpu":  # pinned host memory needs an accelerator (torch warns on every CPU run)
+        defaults.setdefault("dataloader_pin_memory", False)
     if accelerated:
         defaults.update(MindSpeedTrainingArguments.fields_from_config(run.mindspeed))
     elif run.mindspeed.memory.recompute:

@@ -148,6 +148,21 @@ def _resume_target(value: str | None) -> str | bool | None:
     return True if str(value).lower() in ("true", "yes") else str(value)
 
 
+def check_parallel_sizes(run: RunConfig, args: Any) -> None:
+    """The run's mesh sizes against the world size (WORLD_SIZE under torchrun), before any model is built: the
+    same check the trainer makes, so a wrong size is one line here instead of a traceback per rank later."""
+    import os
+
+    import mindspeed_hf
+
+    if not mindspeed_hf.is_enabled():
+        return
+    from ..trainers.arguments import resolve_for
+    from ..trainers.fsdp_plan import resolve_plan
+
+    resolve_plan(args, resolve_for(args, base=run.mindspeed), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+
+
 def check_resume(args: Any) -> None:
     """Fail before any work when --resume_from_checkpoint has nothing to resume from."""
     target = _resume_target(args.resume_from_checkpoint)

@@ -55,6 +55,7 @@ def test_train_default_run_writes_loadable_checkpoint(tmp_path):
     text = proc.stdout + proc.stderr
     assert "held-out loss" in text and "exact match" in text and "before training" in text
     assert "tokens_per_s" in text and "peak_mem_mib" in text  # in the training log lines
+    assert "pin_memory" not in text  # no avoidable warning on a CPU run
 
     result = json.loads(metrics.read_text())
     assert result["accelerated"] and result["steps"] == 3 and len(result["losses"]) == 3
@@ -114,3 +115,19 @@ def test_train_resume_with_nothing_to_resume_fails_before_work(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "mindspeed-hf train: error: --resume_from_checkpoint: no checkpoint-N directory in output_dir")
+
+
+def test_wrong_size_on_two_ranks_is_one_line_from_rank_0(tmp_path):
+    import subprocess
+
+    from child_runs import child_env, torchrun
+
+    cmd = torchrun("-m", "mindspeed_hf.cli.main", "train", "--output_dir", str(tmp_path), "--mindspeed_dp_shard", "3")
+    proc = subprocess.run(cmd, env=child_env(auto=True, quiet=False), capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "mindspeed-hf train: error:" in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "mindspeed_dp_shard=3" in errors[0] and "world_size=2" in errors[0]
+    # no rank printed a traceback of ours (torchrun still reports that its children exited with 2)
+    assert not [line for line in proc.stderr.splitlines() if 'File "' in line and "mindspeed_hf" in line]
