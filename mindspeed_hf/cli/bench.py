@@ -1,10 +1,15 @@
 """`mindspeed-hf bench`: the same short training run without the accelerator (MINDSPEED_HF_AUTO=0, plain HF) and
-with it, each in its own process so neither sees the other's patches, printed side by side."""
+with it, each in its own process so neither sees the other's patches, in interleaved pairs (A B, B A, A B, ...),
+so that load from other work on the machine hits both sides alike. Each figure is printed as the median of the
+per-pair ratios with their min..max spread, and a verdict only where every pair's ratio lies beyond 1 +- MARGIN.
+The first step of every run (one-time costs) is outside tokens/s.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -13,11 +18,16 @@ from typing import Any
 
 RUNS = (("baseline (plain HF)", "0"), ("mindspeed_hf", "1"))
 MAX_ROWS = 20  # per-step loss rows printed
+MARGIN = 0.02  # a verdict needs every pair's ratio beyond 1 +- MARGIN
+#: figure -> (metrics key, better when larger, format)
+FIGURES = {"tokens/s": ("tokens_per_s", True, ",.0f"), "train runtime (s)": ("train_runtime_s", False, ".2f"),
+           "peak memory (MiB)": ("peak_memory_bytes", False, ",.0f")}
 
 
-def run_one(config: str | None, auto: str, workdir: Path, steps: int, overrides: list[str]) -> dict[str, Any]:
+def run_one(config: str | None, auto: str, workdir: Path, steps: int, overrides: list[str],
+            tag: str = "") -> dict[str, Any]:
     """One `mindspeed-hf train` in a subprocess; returns its metrics JSON."""
-    name = "accelerated" if auto == "1" else "baseline"
+    name = ("accelerated" if auto == "1" else "baseline") + tag
     metrics = workdir / f"{name}.json"
     cmd = [sys.executable, "-m", "mindspeed_hf.cli.main", "train", *([config] if config else []),
            "--metrics-file", str(metrics), "--skip-quality-eval",
@@ -35,29 +45,44 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def compare(base: dict[str, Any], fast: dict[str, Any]) -> str:
-    """The side-by-side markdown table (plus the per-step losses)."""
-    def ratio(a: float | None, b: float | None) -> str:
-        return "n/a" if not a or b is None else f"{b / a:.2f}x"
+def _value(metrics: dict[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    return None if value is None else float(value) / (2**20 if key == "peak_memory_bytes" else 1)
 
+
+def _ratio_row(name: str, bases: list[dict[str, Any]], fasts: list[dict[str, Any]]) -> tuple[str, ...]:
+    key, larger_is_better, spec = FIGURES[name]
+    pairs = [(_value(b, key), _value(f, key)) for b, f in zip(bases, fasts, strict=True)]
+    ratios = [f / b for b, f in pairs if b and f is not None]
+    base = statistics.median(b for b, _ in pairs if b is not None) if pairs else None
+    fast = statistics.median(f for _, f in pairs if f is not None) if pairs else None
+    if not ratios:
+        return name, _fmt(base, spec), _fmt(fast, spec), "n/a", "", ""
+    low, high = min(ratios), max(ratios)
+    if low > 1 + MARGIN or high < 1 - MARGIN:
+        verdict = "better" if (low > 1) == larger_is_better else "worse"
+    else:
+        verdict = f"no clear difference (within {MARGIN:.0%}, or the spread straddles it)"
+    spread = f"{low:.2f}..{high:.2f}" if len(ratios) > 1 else "one pair: no spread"
+    return name, _fmt(base, spec), _fmt(fast, spec), f"{statistics.median(ratios):.2f}x", spread, verdict
+
+
+def compare(bases: list[dict[str, Any]], fasts: list[dict[str, Any]]) -> str:
+    """The side-by-side markdown table of paired runs (medians, the median per-pair ratio and its spread), then
+    the per-step losses of the first pair and the largest loss difference of any pair."""
+    base, fast = bases[0], fasts[0]
     steps = sorted(set(base["losses"]) & set(fast["losses"]), key=int)
     diffs = [abs(base["losses"][s] - fast["losses"][s]) for s in steps]
-    mib = 2**20
-    rows = [
-        ("tokens/s", _fmt(base["tokens_per_s"], ",.0f"), _fmt(fast["tokens_per_s"], ",.0f"),
-         ratio(base["tokens_per_s"], fast["tokens_per_s"])),
-        ("peak memory (MiB)", f"{base['peak_memory_bytes'] / mib:,.0f}", f"{fast['peak_memory_bytes'] / mib:,.0f}",
-         ratio(base["peak_memory_bytes"], fast["peak_memory_bytes"])),
-        ("train runtime (s)", f"{base['train_runtime_s']:.2f}", f"{fast['train_runtime_s']:.2f}",
-         ratio(base["train_runtime_s"], fast["train_runtime_s"])),
-        ("final loss", _fmt(base["losses"].get(steps[-1]) if steps else None, ".6f"),
-         _fmt(fast["losses"].get(steps[-1]) if steps else None, ".6f"), ""),
-        ("max per-step loss diff", "", f"{max(diffs):.2e}" if diffs else "n/a", ""),
-        ("kernels", "none", fast.get("applied", ""), ""),
-    ]
-    lines = [f"## mindspeed-hf bench: {fast['model_type']} on {fast['device']}, {len(steps)} steps", "",
-             f"| | {RUNS[0][0]} | {RUNS[1][0]} | ratio |", "|---|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    worst = max((abs(b["losses"][s] - f["losses"][s]) for b, f in zip(bases, fasts, strict=True)
+                 for s in set(b["losses"]) & set(f["losses"])), default=None)
+    rows = [_ratio_row(name, bases, fasts) for name in FIGURES]
+    rows += [("max per-step loss diff", "", _fmt(worst, ".2e"), "", "", ""),
+             ("kernels", "none", fast.get("applied", ""), "", "", "")]
+    lines = [f"## mindspeed-hf bench: {fast['model_type']} on {fast['device']}, {len(steps)} steps, "
+             f"{len(bases)} interleaved pair(s)", "",
+             f"| | {RUNS[0][0]} (median) | {RUNS[1][0]} (median) | ratio (median) | ratio spread (min..max) | "
+             "verdict |", "|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     lines += ["", "| step | baseline loss | mindspeed_hf loss | abs diff |", "|---|---|---|---|"]
     # Long runs: about MAX_ROWS evenly spaced steps, always the last one.
     stride = max(1, -(-len(steps) // MAX_ROWS))
@@ -67,11 +92,18 @@ def compare(base: dict[str, Any], fast: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def bench(config: str | None, steps: int = 20, overrides: list[str] | None = None,
-          workdir: str | None = None) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """Run both sides; returns (table, baseline metrics, accelerated metrics)."""
+def bench(config: str | None, steps: int = 20, overrides: list[str] | None = None, workdir: str | None = None,
+          repeats: int = 3) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run `repeats` interleaved pairs (A B, B A, ...); returns (table, baseline metrics, accelerated metrics)."""
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats} must be >= 1")
+    bases, fasts = [], []
     with tempfile.TemporaryDirectory(prefix="mindspeed_bench_") as tmp:
         root = Path(workdir or tmp)
         root.mkdir(parents=True, exist_ok=True)
-        base, fast = (run_one(config, auto, root, steps, overrides or []) for _, auto in RUNS)
-    return compare(base, fast), base, fast
+        for i in range(repeats):
+            order = RUNS if i % 2 == 0 else RUNS[::-1]
+            done = {auto: run_one(config, auto, root, steps, overrides or [], tag=f"_{i}") for _, auto in order}
+            bases.append(done["0"])
+            fasts.append(done["1"])
+    return compare(bases, fasts), bases, fasts

@@ -20,8 +20,8 @@ commands:
         SFT run from a YAML run description (no CONFIG: the embedded tiny default run); with
         --resume_from_checkpoint it continues from PATH, or without PATH from the newest checkpoint in output_dir
   env   device, versions and the kernel each op uses here, as a markdown table
-  bench [CONFIG.yaml] [--steps N] [--<TrainingArguments key> VALUE ...]
-        the same short run without and with the accelerator, side by side
+  bench [CONFIG.yaml] [--steps N] [--repeats R] [--<TrainingArguments key> VALUE ...]
+        the same short run without and with the accelerator, R interleaved pairs, median ratios and spread
 """
 
 
@@ -89,6 +89,8 @@ def cmd_bench(argv: list[str]) -> int:
     config, rest = _split_config(argv)
     parser = argparse.ArgumentParser(prog="mindspeed-hf bench", allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=20, help="training steps per side (default 20)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved baseline/accelerated pairs; ratios are their median and spread (default 3)")
     parser.add_argument("--workdir", default=None, help="keep both runs' outputs here (default: a temp dir)")
     own, overrides = parser.parse_known_args(rest)
     from .bench import bench
@@ -99,7 +101,10 @@ def cmd_bench(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as err:
         _error("bench", err)
         return 2
-    table, _, _ = bench(config, steps=own.steps, overrides=overrides, workdir=own.workdir)
+    if own.repeats < 1:
+        _error("bench", ValueError(f"--repeats={own.repeats} must be >= 1"))
+        return 2
+    table, _, _ = bench(config, steps=own.steps, overrides=overrides, workdir=own.workdir, repeats=own.repeats)
     print(table)
     return 0
 

@@ -70,25 +70,35 @@ def test_train_default_run_writes_loadable_checkpoint(tmp_path):
         assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
 
 
-def test_bench_table_from_metrics():
+def test_bench_table_from_paired_metrics():
     base = {"tokens_per_s": 1000.0, "peak_memory_bytes": 2 * 2**30, "train_runtime_s": 2.0,
             "losses": {"1": 3.0, "2": 2.5}, "model_type": "qwen3", "device": "cpu"}
     fast = dict(base, tokens_per_s=1500.0, peak_memory_bytes=2**30, train_runtime_s=1.5,
                 losses={"1": 3.0, "2": 2.500001}, applied="rms_norm x17")
-    table = bench.compare(base, fast)
-    assert "| tokens/s | 1,000 | 1,500 | 1.50x |" in table
-    assert "| peak memory (MiB) | 2,048 | 1,024 | 0.50x |" in table
-    assert "| max per-step loss diff |  | 1.00e-06 |  |" in table
-    assert "| 2 | 2.500000 | 2.500001 | 1.00e-06 |" in table
+    noisy = [dict(base), dict(base, tokens_per_s=800.0), dict(base, tokens_per_s=1200.0)]
+    table = bench.compare(noisy, [dict(fast), dict(fast, tokens_per_s=1100.0), dict(fast, tokens_per_s=1000.0)])
+    # per-pair tokens/s ratios 1.5, 1.375, 0.833: median 1.375, and the spread straddles 1 -> no verdict
+    assert "| tokens/s | 1,000 | 1,100 | 1.38x | 0.83..1.50 | no clear difference (within 2%, or the spread " in table
+    near = bench.compare([base], [dict(fast, peak_memory_bytes=2 * 2**30 * 1.01)])
+    assert "| peak memory (MiB) | 2,048 | 2,068 | 1.01x | one pair: no spread | no clear difference" in near
+    assert "| peak memory (MiB) | 2,048 | 1,024 | 0.50x | 0.50..0.50 | better |" in table
+    assert "| max per-step loss diff |  | 1.00e-06 |  |  |  |" in table
+    assert "| 2 | 2.500000 | 2.500001 | 1.00e-06 |" in table and "3 interleaved pair(s)" in table
+    one = bench.compare([base], [dict(fast, tokens_per_s=900.0)])
+    assert "| tokens/s | 1,000 | 900 | 0.90x | one pair: no spread | worse |" in one
 
 
-def test_bench_runs_both_sides(tmp_path):
-    proc = cli(["bench", "--steps", "2", "--workdir", str(tmp_path)])
-    assert "| | baseline (plain HF) | mindspeed_hf | ratio |" in proc.stdout
+def test_bench_runs_interleaved_pairs(tmp_path):
+    proc = cli(["bench", "--steps", "2", "--repeats", "2", "--workdir", str(tmp_path)])
+    assert "| | baseline (plain HF) (median) | mindspeed_hf (median) | ratio (median) |" in proc.stdout
+    order = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("[bench] ")]
+    assert order == ["[bench] baseline_0", "[bench] accelerated_0", "[bench] accelerated_1", "[bench] baseline_1"]
     losses = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(losses) == 2
     for line in losses:
         assert float(line.split("|")[4]) <= 1e-5, line
+    worst = next(line for line in proc.stdout.splitlines() if line.startswith("| max per-step loss diff"))
+    assert float(worst.split("|")[3]) <= 1e-5, worst
 
 
 def test_train_resume_flag_continues_the_run(tmp_path):
