@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .ops.registry import BACKEND_CHOICES
-from .value_kinds import Kind, choice_list, choice_or_bool, layer_selection
+from .value_kinds import Kind, choice_list, choice_or_bool, layer_selection, parse_flag
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -287,12 +287,7 @@ def _parse_env_value(setting: Setting, text: str, name: str | None = None) -> An
     if isinstance(setting.type, Kind):
         return setting.type.check(name, text)
     if setting.type is bool:
-        low = text.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name}={text!r} must be true or false")
+        return parse_flag(text, name)
     if setting.type is int:
         try:
             return int(text)
@@ -335,6 +330,13 @@ _ACCELERATE_FSDP = {"parallel.reshard_after_forward": "FSDP_RESHARD_AFTER_FORWAR
                     "memory.recompute": "FSDP_ACTIVATION_CHECKPOINTING"}
 
 
+def parse_reshard(value: Any, where: str) -> bool:
+    """reshard_after_forward as accelerate takes it: a flag, or an FSDP1 sharding-strategy name (full_shard frees
+    the gathered parameters after forward; shard_grad_op and no_shard keep them)."""
+    strategy = {"full_shard": True, "shard_grad_op": False, "no_shard": False}.get(str(value).strip().lower())
+    return strategy if strategy is not None else parse_flag(value, where)
+
+
 def accelerate_env_layer(env: Mapping[str, str] | None = None) -> Layer:
     """What an `accelerate launch` config says about our settings (PARALLELISM_CONFIG_*_SIZE with
     ACCELERATE_USE_PARALLELISM_CONFIG, and FSDP_* for an FSDP version 2 config)."""
@@ -348,10 +350,8 @@ def accelerate_env_layer(env: Mapping[str, str] | None = None) -> Layer:
     fsdp2 = env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") and env.get("FSDP_VERSION", "1") == "2"
     for path, name in _ACCELERATE_FSDP.items():
         if fsdp2 and env.get(name):
-            text = env[name].strip().lower()
-            # accelerate writes FSDP1 sharding-strategy names into the reshard variable for older configs
-            text = {"full_shard": "true", "shard_grad_op": "false", "no_shard": "false"}.get(text, text)
-            values[path], names[path] = _parse_env_value(_SETTINGS[path], text, name), name
+            parse = parse_reshard if path == "parallel.reshard_after_forward" else parse_flag
+            values[path], names[path] = parse(env[name], name), name
     return Layer(ACCELERATE_SOURCE, values, names)
 
 

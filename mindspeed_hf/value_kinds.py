@@ -41,6 +41,17 @@ _TRUE = ("true", "on", "yes", "1")
 _FALSE = ("false", "off", "no", "0")
 
 
+def parse_flag(value: Any, where: str) -> bool:
+    """A bool, or its text (true/on/yes/1, false/off/no/0, any case); anything else is a one-line error naming
+    `where`. The one reading of a true/false setting, whatever its source (YAML, variable, argument)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ValueError(f"{where}={value!r} must be true or false")
+
+
 def choice_or_bool(choices: tuple[str, ...], true_means: str) -> Kind:
     """False, or one of `choices`. True (and the text true/on/yes/1) is the choice `true_means`, whose canonical
     value is True; false/off/no/0 are False; any other choice is kept as its (lower-case) name."""

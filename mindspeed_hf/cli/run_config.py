@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import KernelConfig, MemoryConfig, MindSpeedConfig, ParallelConfig, config_from_dict, read_config_file
+from ..value_kinds import parse_flag
 from .default_run import DEFAULT_RUN_CONFIG, DEFAULT_RUN_DIR
 
 BUILTIN = "builtin:"
@@ -144,17 +145,14 @@ def _typed_training_values(values: dict[str, Any]) -> dict[str, Any]:
             continue
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             continue
-        text = str(value).strip()
+        where = f"training.{key}"
+        if kind is bool:
+            out[key] = parse_flag(value, where)
+            continue
         try:
-            if kind is bool:
-                if text.lower() not in ("true", "false", "yes", "no", "1", "0"):
-                    raise ValueError
-                out[key] = text.lower() in ("true", "yes", "1")
-            else:
-                out[key] = kind(text)
+            out[key] = kind(str(value).strip())
         except ValueError:
-            what = {bool: "true or false", int: "an integer", float: "a number"}[kind]
-            raise ValueError(f"training.{key}={value!r} must be {what}") from None
+            raise ValueError(f"{where}={value!r} must be {'an integer' if kind is int else 'a number'}") from None
     return out
 
 

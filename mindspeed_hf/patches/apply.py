@@ -26,7 +26,8 @@ logger = logging.getLogger("mindspeed_hf")
 _OPS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy")
 
 _patches = PatchSet()
-_state: dict[str, Any] = {"config": None, "explicit": None, "warned_types": set()}
+# The process config itself lives in scope (the kernels read it there); here only whether it was given explicitly.
+_state: dict[str, Any] = {"explicit": None, "warned_types": set()}
 # Models whose attention may point at our kernel: disable() switches them back to sdpa.
 _models: weakref.WeakSet = weakref.WeakSet()
 
@@ -115,20 +116,19 @@ def enable(config: MindSpeedConfig | None = None) -> None:
     _state["explicit"] = config
     config = config or load_config()
     registry.set_backend(config.backend)  # validated here, before any model is touched
-    scope.set_process_config(config)
-    if _state["config"] is None:
+    if not is_enabled():
         register_attention()
         for family in FAMILIES.values():
             _patch_family(family)
         from ..trainers import wiring
 
         wiring.install_trainer_wiring()
-    _state["config"] = config
+    scope.set_process_config(config)
 
 
 def disable() -> None:
     """Restore every patched symbol exactly. Models keep working, unaccelerated."""
-    if _state["config"] is None and not len(_patches):
+    if not is_enabled() and not len(_patches):
         return
     from ..trainers import wiring
 
@@ -142,11 +142,11 @@ def disable() -> None:
     unregister_attention()
     registry.set_backend(None)
     scope.set_process_config(None)
-    _state["config"] = _state["explicit"] = None
+    _state["explicit"] = None
 
 
 def is_enabled() -> bool:
-    return _state["config"] is not None
+    return scope.process_config() is not None
 
 
 def explicit_process_config() -> MindSpeedConfig | None:
@@ -156,7 +156,7 @@ def explicit_process_config() -> MindSpeedConfig | None:
 
 def active_config() -> MindSpeedConfig | None:
     """The process config (what enable() was called with), None while disabled."""
-    return _state["config"]
+    return scope.process_config()
 
 
 def find_hf_model(model: nn.Module) -> nn.Module | None:
@@ -180,7 +180,7 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
     report(model). Unsupported models run unaccelerated with one warning per model type."""
     if not is_enabled():
         enable()
-    config = config or _state["config"]
+    config = config or scope.process_config()
     hf_model = find_hf_model(model)
     family = family_of(model)
     if family is None:

@@ -32,6 +32,7 @@ def set_process_config(config: MindSpeedConfig | None) -> None:
 
 
 def process_config() -> MindSpeedConfig | None:
+    """The process config; None while the package is disabled."""
     return _process["config"]
 
 
@@ -140,5 +141,4 @@ def switch(op: str, fast: Callable, original: Callable) -> Callable:
         return (fast if kernel_on(op) else original)(*args, **kwargs)
 
     dispatch._mindspeed_op = op
-    dispatch._mindspeed_fast = fast
     return dispatch

@@ -15,13 +15,10 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..config import Layer, MindSpeedConfig, ResolvedConfig, Setting, resolve, settings
+from ..config import Layer, MindSpeedConfig, ResolvedConfig, Setting, parse_reshard, resolve, settings
+from ..value_kinds import parse_flag
 
 ARGUMENTS_SOURCE = "training arguments (mindspeed_*)"
-
-
-def _flag(value: Any) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on", "full_shard")
 
 
 def hf_fsdp_layer(args: TrainingArguments) -> Layer:
@@ -34,10 +31,11 @@ def hf_fsdp_layer(args: TrainingArguments) -> Layer:
     fsdp = hf_fsdp_settings(args)
     if fsdp is not None and fsdp["version"] == 2:
         if fsdp["reshard_after_forward"] is not None:  # HF fills a default in; only a stated one counts
-            values["parallel.reshard_after_forward"] = _flag(fsdp["reshard_after_forward"])
-            names["parallel.reshard_after_forward"] = "fsdp_config['reshard_after_forward']"
+            name = "fsdp_config['reshard_after_forward']"
+            values["parallel.reshard_after_forward"] = parse_reshard(fsdp["reshard_after_forward"], name)
+            names["parallel.reshard_after_forward"] = name
         for path, key in (("parallel.cpu_offload", "cpu_offload"), ("memory.recompute", "activation_checkpointing")):
-            if _flag(fsdp[key]):
+            if parse_flag(fsdp[key], f"fsdp_config['{key}']"):
                 values[path], names[path] = True, f"fsdp_config['{key}']"
     pc = getattr(args, "parallelism_config", None)
     if pc is not None:

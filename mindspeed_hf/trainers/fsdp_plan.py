@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from .. import parallel
 from ..config import ACCELERATE_SOURCE, ResolvedConfig
+from ..value_kinds import parse_flag
 
 logger = logging.getLogger("mindspeed_hf")
 
-_TRUE, _FALSE = ("1", "true", "yes", "on", "full_shard"), ("0", "false", "no", "off", "shard_grad_op", "no_shard")
 _SIZE_PATHS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.ep")
 
 
@@ -42,13 +42,6 @@ class FsdpPlan:
 
 
 # ---------------------------------------------------------------------------------------------- the request
-def _flag(value: Any, where: str) -> bool:
-    text = str(value).strip().lower()
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
-    raise ValueError(f"{where}={value!r} must be true or false")
-
-
 def hf_fsdp_settings(args: Any) -> dict[str, Any] | None:
     """The FSDP request of TrainingArguments (`fsdp` + `fsdp_config`), the same across releases: transformers 5
     normalises it into `fsdp_plugin_args`; 4.57 keeps the `fsdp` options and the `fsdp_config` dict (keys without
@@ -91,20 +84,20 @@ def _hf_request(args: Any) -> dict[str, Any] | None:
         return None
     return {"source": "TrainingArguments.fsdp/fsdp_config", "version": settings["version"],
             **_wrap_request(settings["auto_wrap_policy"], settings["classes"], settings["state_dict_type"]),
-            "cpu_ram_efficient_loading": _flag(settings["cpu_ram_efficient_loading"],
+            "cpu_ram_efficient_loading": parse_flag(settings["cpu_ram_efficient_loading"],
                                                "fsdp_config['cpu_ram_efficient_loading']")}
 
 
 def _env_request(env: Mapping[str, str]) -> dict[str, Any] | None:
     """FSDP asked for by `accelerate launch` (FSDP_* variables; accelerate defaults FSDP_VERSION to 1). Its knobs
     are settings: see mindspeed_hf.config.accelerate_env_layer."""
-    if not _flag(env.get("ACCELERATE_USE_FSDP", "false"), "ACCELERATE_USE_FSDP"):
+    if not parse_flag(env.get("ACCELERATE_USE_FSDP", "false"), "ACCELERATE_USE_FSDP"):
         return None
     return {"source": "accelerate launch environment (ACCELERATE_USE_FSDP)",
             "version": int(env.get("FSDP_VERSION", "1")),
             **_wrap_request(env.get("FSDP_AUTO_WRAP_POLICY"), env.get("FSDP_TRANSFORMER_CLS_TO_WRAP"),
                             env.get("FSDP_STATE_DICT_TYPE")),
-            "cpu_ram_efficient_loading": _flag(env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),
+            "cpu_ram_efficient_loading": parse_flag(env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),
                                                "FSDP_CPU_RAM_EFFICIENT_LOADING")}
 
 
