@@ -248,3 +248,31 @@ def disable_activation_checkpointing(model: nn.Module) -> None:
         if hasattr(model, name):
             getattr(model, name)()
             return
+
+
+# ----------------------------------------------------------------------------------------- MoE experts registry
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsRegistry:
+    """transformers' experts-implementation registry and what its default (`grouped_mm`) runs."""
+
+    functions: Any  # ALL_EXPERTS_FUNCTIONS (an ExpertsInterface)
+    default: Callable  # grouped_mm_experts_forward: what a model runs when nothing was requested
+    default_name: str
+    default_apply_gate: Callable  # the gate use_experts_implementation installs: act_fn(first half) * second half
+
+
+@functools.cache
+def experts_registry() -> ExpertsRegistry | None:
+    """The fused 3-D experts registry (`transformers.integrations.moe`, transformers >= 5); None on 4.57, whose MoE
+    blocks hold one module per expert and have no experts implementation to choose."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    if not hasattr(moe, "ALL_EXPERTS_FUNCTIONS") or not hasattr(modeling_utils.PreTrainedModel,
+                                                                 "get_correct_experts_implementation"):
+        return None
+    return ExpertsRegistry(moe.ALL_EXPERTS_FUNCTIONS, moe.grouped_mm_experts_forward, "grouped_mm",
+                           moe._default_apply_gate)

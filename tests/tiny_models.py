@@ -22,6 +22,26 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "qwen2_moe": dict(**_MOE, shared_expert_intermediate_size=48, output_router_logits=True),
     "qwen3_moe": dict(**_MOE, head_dim=16),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, pad_token_id=0, eos_token_id=1),
+    # one dense layer then a MoE one (sigmoid group-limited router, shared expert), MLA attention
+    "deepseek_v3": dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4,
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=16, use_qk_norm=True,
+    ),
+    "gpt_oss": dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0, eos_token_id=1, bos_token_id=1,
+        **rope_config(),
+    ),
+    "ernie4_5_moe": dict(
+        moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ),
     "gemma": dict(head_dim=16),
     "gemma2": dict(head_dim=16, sliding_window=8),
     "gemma3_text": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),

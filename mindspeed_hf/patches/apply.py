@@ -17,13 +17,13 @@ from .. import compat
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, register_attention, unregister_attention
-from . import forwards, scope
+from . import experts, forwards, scope
 from .engine import PatchSet
 from .families import FAMILIES, ModelFamily
 
 logger = logging.getLogger("mindspeed_hf")
 
-_OPS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy")
+_OPS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy", "experts")
 
 _patches = PatchSet()
 # The process config itself lives in scope (the kernels read it there); here only whether it was given explicitly.
@@ -93,12 +93,18 @@ def _patch_family(family: ModelFamily) -> None:
     if not _patches.is_patched(pretrained, "get_correct_attn_implementation"):
         _patches.set(pretrained, "get_correct_attn_implementation",
                      _attention_default(pretrained.get_correct_attn_implementation))
+    if family.experts and experts.available() and not _patches.is_patched(pretrained,
+                                                                           "get_correct_experts_implementation"):
+        _patches.set(pretrained, "get_correct_experts_implementation",
+                     experts.default_wrapper(pretrained.get_correct_experts_implementation))
     if not _patches.is_patched(pretrained, "post_init"):
         _patches.set(pretrained, "post_init", _announce_on_init(pretrained.post_init))
     from . import causal_lm
 
     for name in family.causal_lm:
-        _switch_method(getattr(module, name), "forward", "fused_linear_cross_entropy", causal_lm.causal_lm_forward)
+        cls = getattr(module, name)
+        if not _patches.is_patched(cls, "forward"):
+            _switch_method(cls, "forward", "fused_linear_cross_entropy", causal_lm.laid_out_as(cls.forward))
 
 
 def enable(config: MindSpeedConfig | None = None) -> None:
@@ -118,6 +124,7 @@ def enable(config: MindSpeedConfig | None = None) -> None:
     registry.set_backend(config.backend)  # validated here, before any model is touched
     if not is_enabled():
         register_attention()
+        experts.register()
         for family in FAMILIES.values():
             _patch_family(family)
         from ..trainers import wiring
@@ -137,9 +144,11 @@ def disable() -> None:
     for model in list(_models):
         if model.config._attn_implementation == ATTENTION_NAME:
             model.set_attn_implementation("sdpa")
+        experts.restore(model)
         scope.detach(model)
     _models.clear()
     unregister_attention()
+    experts.unregister()
     registry.set_backend(None)
     scope.set_process_config(None)
     _state["explicit"] = None
@@ -199,6 +208,8 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
         elif not config.kernels.attention and current == ATTENTION_NAME:
             hf_model.set_attn_implementation("sdpa")
         hf_model.__dict__.pop("_mindspeed_explicit_attention", None)  # set_attn_implementation is ours, not theirs
+    if family.experts:
+        experts.settle(hf_model, config.kernels.experts)
     result = report(model)
     _announce(hf_model, result)
     return result
@@ -233,6 +244,11 @@ def report(model: nn.Module) -> dict[str, Any]:
         explicit = getattr(hf_model, "_mindspeed_explicit_attention", None)
         if explicit is not None and attention != ATTENTION_NAME:
             kept["attention"] = f"{attention} (requested explicitly)"
+        experts_classes = tuple(getattr(module, name) for name in family.experts if hasattr(module, name))
+        counts["experts"] = experts.count(hf_model, experts_classes, on["experts"])
+        experts_note = experts.describe(hf_model, bool(family.experts))
+        if experts_note is not None:
+            kept["experts"] = experts_note
         for sub in hf_model.modules():
             forward = vars(sub).get("forward", type(sub).forward)
             op = getattr(forward, "_mindspeed_op", None)

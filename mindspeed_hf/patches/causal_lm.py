@@ -29,7 +29,9 @@ patched before TRL wrapped the instance, HF's otherwise. Both keep working (test
 
 from __future__ import annotations
 
+import inspect
 import sys
+from collections.abc import Callable
 
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -258,3 +260,23 @@ else:  # transformers 4.57: `past_key_values`, and `cache_position` for the back
 
 
 causal_lm_forward.__doc__ = _DOC
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def laid_out_as(original: Callable) -> Callable:
+    """`causal_lm_forward` taking positional arguments where `original` (the class's HF forward, whose signature the
+    patched forward publishes) has them: Mixtral's eighth argument is `output_router_logits`, Llama's is
+    `logits_to_keep`, so each positional argument is passed on by the original's name for it."""
+    names = [p.name for p in inspect.signature(original).parameters.values() if p.kind in _POSITIONAL][1:]
+
+    def forward(self, *args, **kwargs):
+        if len(args) > len(names):
+            raise TypeError(f"forward() takes {len(names)} positional arguments after self, got {len(args)}")
+        clashes = set(names[: len(args)]) & set(kwargs)
+        if clashes:
+            raise TypeError(f"forward() got multiple values for argument {sorted(clashes)[0]!r}")
+        return causal_lm_forward(self, **dict(zip(names, args)), **kwargs)
+
+    return forward

@@ -20,6 +20,7 @@ class ModelFamily:
     swiglu_mlp: tuple[str, ...] = ()  # gate_proj / up_proj / down_proj MLPs
     packed_swiglu_mlp: tuple[str, ...] = ()  # gate_up_proj / down_proj MLPs (Phi-3)
     rope: bool = True  # module-level apply_rotary_pos_emb
+    experts: tuple[str, ...] = ()  # fused 3-D experts classes (transformers >= 5): the grouped-GEMM experts kernel
 
     @property
     def modeling_module(self) -> str:
@@ -48,10 +49,21 @@ FAMILIES: dict[str, ModelFamily] = {
         _dense("mistral", "Mistral"),
         _dense("qwen2", "Qwen2"),
         _dense("qwen3", "Qwen3"),
-        # MoE families: dense/shared MLPs here; routed experts are a separate kernel.
-        _dense("qwen2_moe", "Qwen2Moe"),
-        _dense("qwen3_moe", "Qwen3Moe"),
-        _dense("mixtral", "Mixtral", swiglu_mlp=()),
+        # MoE families: dense/shared MLPs on swiglu; routed experts on the grouped-GEMM experts kernel.
+        _dense("qwen2_moe", "Qwen2Moe", experts=("Qwen2MoeExperts",)),
+        _dense("qwen3_moe", "Qwen3Moe", experts=("Qwen3MoeExperts",)),
+        _dense("mixtral", "Mixtral", swiglu_mlp=(), experts=("MixtralExperts",)),
+        _dense("olmoe", "Olmoe", experts=("OlmoeExperts",)),
+        # DeepSeek-V3: MLA attention; its default rope_interleave=True runs apply_rotary_pos_emb_interleave, which
+        # the rope kernel does not cover, so rope stays HF's.
+        _dense("deepseek_v3", "DeepseekV3", rope=False, experts=("DeepseekV3Experts",)),
+        _dense("glm4_moe", "Glm4Moe", experts=("Glm4MoeExperts",)),
+        # ERNIE 4.5: its apply_rotary_pos_emb interleaves cos/sin (GLM style, in fp32): not the rope kernel's layout.
+        _dense("ernie4_5_moe", "Ernie4_5_Moe", rope=False, experts=("Ernie4_5_MoeExperts",)),
+        # GPT-OSS: only its experts ([E, H, 2I] weights with biases, its own clamped gate) and the loss. Its RMSNorm
+        # multiplies the weight in fp32 before the cast, its rope tables are half width, and its attention has sinks
+        # (no sdpa): none is the layout of our kernels.
+        _dense("gpt_oss", "GptOss", rms_norm=(), swiglu_mlp=(), rope=False, experts=("GptOssExperts",)),
         # Gemma: offset RMSNorm; its GeGLU MLP is left alone.
         _dense("gemma", "Gemma", offset_rms_norm=True, swiglu_mlp=()),
         _dense("gemma2", "Gemma2", offset_rms_norm=True, swiglu_mlp=()),

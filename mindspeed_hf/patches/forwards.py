@@ -16,7 +16,7 @@ from ..ops.rms_norm import rms_norm
 from ..ops.rotary import apply_rotary_pos_emb
 from ..ops.swiglu import swiglu, swiglu_packed
 
-_SILU = (nn.SiLU, SiLUActivation)
+SILU = (nn.SiLU, SiLUActivation)
 
 
 def tag(op: str, fn: Callable) -> Callable:
@@ -37,7 +37,7 @@ def swiglu_mlp_forward(original: Callable) -> Callable:
     """gate/up/down MLP; a non-SiLU activation (set in the config) keeps the original forward."""
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(self.act_fn, _SILU):
+        if not isinstance(self.act_fn, SILU):
             return original(self, x)
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
@@ -48,7 +48,7 @@ def packed_swiglu_mlp_forward(original: Callable) -> Callable:
     """Phi-3's gate_up_proj MLP: the packed projection feeds the kernel without a split."""
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not isinstance(self.activation_fn, _SILU):
+        if not isinstance(self.activation_fn, SILU):
             return original(self, hidden_states)
         return self.down_proj(swiglu_packed(self.gate_up_proj(hidden_states)))
 

@@ -66,7 +66,7 @@ def test_plain_trainer_gets_the_kernels(tmp_path, restore_wiring):
     mindspeed_hf.enable()
     trainer = Trainer(model, quick_args(tmp_path), train_dataset=dataset())  # positional model and args
     assert model.config._attn_implementation == "mindspeed"
-    assert all(trainer._mindspeed_report["kernels"].values())
+    assert all(n for op, n in trainer._mindspeed_report["kernels"].items() if op != "experts")  # llama: no experts
     trainer.train()
 
 
@@ -120,7 +120,7 @@ def test_peft_model_is_accelerated_and_adapters_train(tmp_path):
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
     args = quick_args(tmp_path, MindSpeedTrainingArguments, learning_rate=1e-2, mindspeed_recompute=True)
     trainer = MindSpeedTrainer(model=model, args=args, train_dataset=dataset())
-    assert all(trainer.mindspeed_report["kernels"].values())
+    assert all(n for op, n in trainer.mindspeed_report["kernels"].items() if op != "experts")  # llama: no experts
     assert model.get_base_model().is_gradient_checkpointing  # recompute reaches the model under the LoRA wrapper
     trainer.train()
     after = dict(model.named_parameters())
@@ -131,7 +131,7 @@ def test_model_init_models_are_prepared(tmp_path, restore_wiring):
     mindspeed_hf.enable()
     trainer = Trainer(model_init=lambda: tiny_model(), args=quick_args(tmp_path), train_dataset=dataset())
     assert trainer.model.config._attn_implementation == "mindspeed"
-    assert all(trainer._mindspeed_report["kernels"].values())
+    assert all(n for op, n in trainer._mindspeed_report["kernels"].items() if op != "experts")  # llama: no experts
     trainer.train()  # train() builds a fresh model through model_init: prepared again
     assert trainer.model.config._attn_implementation == "mindspeed"
 
