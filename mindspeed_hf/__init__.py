@@ -2,17 +2,21 @@
 
 `import mindspeed_hf` enables every kernel for the supported model families (set MINDSPEED_HF_AUTO=0 to import
 without patching); `disable()` restores every patched symbol; `report(model)` says what really runs.
+
+The package itself imports no torch: the patching API (enable, disable, report, ...) loads on first use, and the
+`mindspeed-hf` command enables the accelerator itself once it has read its arguments (so `--help` is instant and a
+bad MINDSPEED_HF_* setting is the command's one-line error, not an import traceback).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+from typing import Any
 
 from . import versions
 from .config import MindSpeedConfig, load_config
-from .patches import apply_to_model, disable, enable, is_enabled, report
-from .patches.apply import active_config
 
 __version__ = "0.1.0"
 
@@ -29,18 +33,56 @@ if not _logger.handlers:
     _logger.propagate = False
 
 
+# Loaded on first use (they import torch and transformers): name -> module.
+_LAZY = {**dict.fromkeys(("active_config", "apply_to_model", "disable", "enable", "is_enabled", "report"),
+                         "mindspeed_hf.patches.apply"),
+         **dict.fromkeys(("MindSpeedTrainer", "MindSpeedTrainingArguments"), "mindspeed_hf.trainers")}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # the same object as the module's, found directly from now on
+        return value
+    raise AttributeError(f"module 'mindspeed_hf' has no attribute {name!r}")
+
+
 def get_config() -> MindSpeedConfig:
     """The active configuration (the one enable() used), else the one MINDSPEED_HF_CONFIG / defaults give."""
+    from .patches.apply import active_config
+
     return active_config() or load_config()
 
 
-def __getattr__(name: str):
-    # The trainer classes import transformers.Trainer (heavy): load them on first use.
-    if name in ("MindSpeedTrainer", "MindSpeedTrainingArguments"):
-        from . import trainers
+def auto_requested() -> bool:
+    """MINDSPEED_HF_AUTO is not off (0 / false / no / off)."""
+    return os.environ.get("MINDSPEED_HF_AUTO", "1").strip().lower() not in ("0", "false", "no", "off")
 
-        return getattr(trainers, name)
-    raise AttributeError(f"module 'mindspeed_hf' has no attribute {name!r}")
+
+def auto_enable() -> None:
+    """What `import mindspeed_hf` does: enable() unless MINDSPEED_HF_AUTO=0; outside the supported releases, a
+    warning and the accelerator stays off (models run as plain Hugging Face)."""
+    if not auto_requested():
+        return
+    outside = versions.unsupported()
+    if outside:  # run as plain Hugging Face rather than fail somewhere obscure
+        _logger.warning("mindspeed_hf: %s is outside the supported range (%s); the accelerator stays off and models "
+                        "run unaccelerated", "; ".join(outside), versions.describe())
+        return
+    from .patches.apply import enable
+
+    enable()
+
+
+def _is_the_command() -> bool:
+    """This process is the `mindspeed-hf` command (console script, or `python -m mindspeed_hf.cli.main`): it calls
+    auto_enable() itself after reading its arguments."""
+    argv = list(getattr(sys, "orig_argv", []))
+    if os.path.basename(sys.argv[0] if sys.argv else "") == "mindspeed-hf":
+        return True
+    return any(a == "-m" and b == "mindspeed_hf.cli.main" for a, b in zip(argv, argv[1:], strict=False))
 
 
 __all__ = [
@@ -48,6 +90,7 @@ __all__ = [
     "MindSpeedTrainer",
     "MindSpeedTrainingArguments",
     "apply_to_model",
+    "auto_enable",
     "disable",
     "enable",
     "get_config",
@@ -56,10 +99,5 @@ __all__ = [
     "report",
 ]
 
-if os.environ.get("MINDSPEED_HF_AUTO", "1").strip().lower() not in ("0", "false", "no", "off"):
-    _outside = versions.unsupported()
-    if _outside:  # run as plain Hugging Face rather than fail somewhere obscure
-        _logger.warning("mindspeed_hf: %s is outside the supported range (%s); the accelerator stays off and models "
-                        "run unaccelerated", "; ".join(_outside), versions.describe())
-    else:
-        enable()
+if not _is_the_command():
+    auto_enable()

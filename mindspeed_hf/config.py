@@ -24,10 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .ops.registry import BACKEND_CHOICES
-from .value_kinds import Kind, choice_list, choice_or_bool, layer_selection, parse_flag
+from .value_kinds import Kind, choice_list, choice_or_bool, flag, layer_selection, non_negative_int, parse_flag
 
 logger = logging.getLogger("mindspeed_hf")
+
+# Kernel backends (ops.registry dispatches on them). Declared here, with the settings, so that reading a config
+# imports no torch: `mindspeed-hf --help` and config errors stay fast.
+BACKEND_CHOICES = ("auto", "torch", "npu", "cuda")
 
 ENV_PREFIX = "MINDSPEED_HF_"
 
@@ -47,6 +50,9 @@ class KernelConfig:
         "make the fused attention kernel the default attention (an explicit attn_implementation is kept)"))
     fused_linear_cross_entropy: bool = field(default=True, metadata=_help(
         "chunked causal-LM loss that never holds the full [tokens, vocab] logits"))
+    experts: bool = field(default=True, metadata=_help(
+        "make the grouped-GEMM MoE experts kernel the default experts implementation (transformers >= 5; an "
+        "explicit experts_implementation is kept)"))
     loss_chunk_size: int = field(default=0, metadata=_help(
         "tokens per chunk of the fused loss; 0 picks one from the vocabulary size"))
     skip_logits: str = field(default="auto", metadata=_help(
@@ -70,7 +76,9 @@ class ParallelConfig:
     dp_shard: int = field(default=-1, metadata=_help(
         "FSDP2 shard group size; -1 takes what the other sizes leave of the world size"))
     cp: int = field(default=1, metadata=_help("context-parallel size (not available yet: must be 1)"))
-    ep: int = field(default=1, metadata=_help("expert-parallel size for MoE models (not available yet: must be 1)"))
+    ep: int = field(default=1, metadata=_help(
+        "expert-parallel size for MoE models with fused experts (transformers >= 5): each expert lives on one of ep "
+        "ranks, borrowed from dp_shard * cp (must divide it and the number of experts)"))
     reshard_after_forward: bool = field(default=True, metadata=_help(
         "FSDP2 frees the gathered parameters of a layer after its forward"))
     cpu_offload: bool = field(default=False, metadata=_help("FSDP2 keeps sharded parameters in host memory"))
@@ -80,14 +88,30 @@ class ParallelConfig:
         for name in ("dp_replicate", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
-        for name, what in (("cp", "context"), ("ep", "expert")):
-            if getattr(self, name) > 1:
-                raise ValueError(f"parallel.{name}={getattr(self, name)}: {what} parallelism is not available in "
-                                 f"this release of mindspeed_hf; valid choices: parallel.{name}=1")
+        if self.cp > 1:
+            raise ValueError(f"parallel.cp={self.cp}: context parallelism is not available in this release of "
+                             "mindspeed_hf; valid choices: parallel.cp=1")
+        if self.ep > 1:
+            check_ep_release(self.ep)
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 to fill the world size")
         if self.prefetch < 0:
             raise ValueError(f"parallel.prefetch={self.prefetch} must be >= 0")
+
+
+#: expert parallelism needs the fused 3-D experts modules (gate_up_proj [E, 2I, H]) transformers 5 introduced
+EP_MIN_TRANSFORMERS = "5.0"
+
+
+def check_ep_release(ep: int) -> None:
+    from packaging.version import Version
+
+    from .versions import installed
+
+    found = installed("transformers")
+    if found is not None and found < Version(EP_MIN_TRANSFORMERS):
+        raise ValueError(f"parallel.ep={ep}: expert parallelism needs transformers >= {EP_MIN_TRANSFORMERS} (fused "
+                         f"experts modules), transformers {found} is installed; valid choices: parallel.ep=1")
 
 
 RECOMPUTE_MODULES = ("attention_core", "self_attn", "mlp", "norms")
@@ -109,6 +133,17 @@ class MemoryConfig:
     recompute_layers: str | int | list[int] = field(default="all", metadata=_help(
         "which decoder layers recompute (full or selective): all, n (every n-th: 0, n, 2n, ...) or a list of "
         "layer indices ([0, 2, 5]; as text 0,2,5)", kind=layer_selection()))
+    offload_activations: bool = field(default=False, metadata=_help(
+        "asynchronous activation offload: what each chosen decoder layer saves for backward (with recompute on, "
+        "its recompute inputs) is copied to host memory on a side stream and its device memory freed once the "
+        "next layer starts; backward brings it back one layer ahead. The last decoder layer is always kept",
+        kind=flag()))
+    offload_layers: str | int | list[int] = field(default="all", metadata=_help(
+        "which decoder layers offload: all, n (every n-th: 0, n, 2n, ...) or a list of layer indices (the last "
+        "decoder layer is kept whatever this says)", kind=layer_selection()))
+    offload_min_bytes: int = field(default=1 << 20, metadata=_help(
+        "smallest saved tensor that is offloaded, in bytes; smaller ones stay on the device",
+        kind=non_negative_int("bytes")))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -293,7 +328,10 @@ def _parse_env_value(setting: Setting, text: str, name: str | None = None) -> An
             return int(text)
         except ValueError:
             raise ValueError(f"{name}={text!r} must be an integer") from None
-    return text.strip().lower() if setting.key == "backend" else text
+    value = text.strip().lower() if setting.key == "backend" else text
+    if setting.key == "backend" and value not in BACKEND_CHOICES:  # name the variable, not the config key
+        raise ValueError(f"{name}={text!r} is not valid; choose one of {', '.join(BACKEND_CHOICES)}")
+    return value
 
 
 def env_layer(env: Mapping[str, str] | None = None) -> Layer:

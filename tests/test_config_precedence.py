@@ -100,7 +100,7 @@ def test_unset_arguments_leave_the_lower_layers(monkeypatch, tmp_path):
 @pytest.mark.parametrize("env,message", [
     ({"MINDSPEED_HF_KERNELS_ROPE": "maybe"}, "MINDSPEED_HF_KERNELS_ROPE='maybe' must be true or false"),
     ({"MINDSPEED_HF_PARALLEL_PREFETCH": "two"}, "MINDSPEED_HF_PARALLEL_PREFETCH='two' must be an integer"),
-    ({"MINDSPEED_HF_BACKEND": "tpu"}, "backend='tpu' is not valid; choose one of auto, torch, npu, cuda"),
+    ({"MINDSPEED_HF_BACKEND": "tpu"}, "MINDSPEED_HF_BACKEND='tpu' is not valid; choose one of auto, torch, npu, cuda"),
     ({**ACCELERATE_FSDP2, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "x"}, "PARALLELISM_CONFIG_DP_SHARD_SIZE='x' must be"),
 ])
 def test_bad_environment_values_name_the_variable(env, message):

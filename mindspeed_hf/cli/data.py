@@ -15,13 +15,31 @@ from .run_config import DataSpec
 IGNORE_INDEX = -100
 
 
+def _parse_row(line: str, path: str | Path, number: int) -> dict[str, Any]:
+    """One JSONL row; errors name the file and its real line (JSON's own message counts from the row)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}); each line must be one "
+                         "JSON object with the prompt and completion fields") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{number}: a JSON {type(row).__name__}, not an object; each line must be one JSON "
+                         "object with the prompt and completion fields")
+    return row
+
+
 def read_jsonl(path: str | Path, spec: DataSpec) -> list[dict[str, str]]:
     """Rows of a JSONL file; each must hold the prompt and completion fields the spec names."""
     rows = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text (byte {err.start}); data files are JSONL, one JSON object a "
+                         "line") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        row = _parse_row(line, path, number)
         missing = [k for k in (spec.prompt_field, spec.completion_field) if k not in row]
         if missing:
             raise ValueError(f"{path}:{number}: missing field(s) {', '.join(missing)} (set data.prompt_field / "

@@ -11,17 +11,23 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 USAGE = """mindspeed-hf <command> [options]
 
 commands:
-  train [CONFIG.yaml] [--metrics-file F] [--skip-quality-eval] [--resume_from_checkpoint [PATH]]
+  train [CONFIG.yaml] [--metrics-file F] [--skip-quality-eval] [--resume_from_checkpoint [PATH]] [--debug]
         [--<TrainingArguments key> VALUE ...]
         SFT run from a YAML run description (no CONFIG: the embedded tiny default run); with
-        --resume_from_checkpoint it continues from PATH, or without PATH from the newest checkpoint in output_dir
+        --resume_from_checkpoint it continues from PATH, or without PATH from the newest complete checkpoint
+        in output_dir. Errors are one line (exit status 2); --debug shows the traceback
   env   device, versions and the kernel each op uses here, as a markdown table
-  bench [CONFIG.yaml] [--steps N] [--repeats R] [--<TrainingArguments key> VALUE ...]
-        the same short run without and with the accelerator, R interleaved pairs, median ratios and spread
+  bench [CONFIG.yaml] [--steps N] [--repeats R] [--backend B] [--profile DIR] [--plot FILE.png] [--memory]
+        [--<TrainingArguments key> VALUE ...]
+        the same short run without and with the accelerator, R interleaved pairs, median ratios and spread,
+        then one counted step of each (aten ops, torch_npu calls, saved bytes, largest tensor); --profile: a
+        chrome trace of a few accelerated steps and the top operators; --plot: a chart (needs the [plot] extra);
+        --memory: the memory report of the run instead
 """
 
 
@@ -51,10 +57,45 @@ def _resume_flag(argv: list[str]) -> list[str]:
     return out
 
 
-def _error(command: str, err: Exception) -> None:
-    """One line on stderr, from rank 0 only under torchrun (every rank finds the same error; they all exit 2)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"mindspeed-hf {command}: error: {err}", file=sys.stderr)
+def _error(command: str, err: Exception, every_rank: bool = False) -> None:
+    """One line on stderr, from rank 0 only under torchrun (every rank finds the same configuration error; they all
+    exit 2); `every_rank` for a failure that may be one rank's own."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0" or every_rank:
+        text = " ".join(str(err).split()) or type(err).__name__
+        where = f" (rank {rank})" if rank != "0" else ""
+        print(f"mindspeed-hf {command}{where}: error: {text}", file=sys.stderr)
+
+
+def _enable() -> None:
+    """What `import mindspeed_hf` does elsewhere (the command defers it past `--help`, so a bad MINDSPEED_HF_*
+    setting is its one-line error): enable the accelerator unless MINDSPEED_HF_AUTO=0."""
+    import mindspeed_hf
+
+    if not mindspeed_hf.is_enabled():
+        mindspeed_hf.auto_enable()
+
+
+# What a user's input can get wrong: a setting, a file, a model id. Anything else is a defect, reported the same
+# way but with its type, so it can be told apart.
+_INPUT_ERRORS = (ValueError, FileNotFoundError, OSError)
+
+
+def _one_line_errors(command: str, debug: bool, work: Callable[[], int]) -> int:
+    """Run `work`; an exception becomes one line on stderr and exit status 2 (the traceback only with --debug)."""
+    try:
+        return work()
+    except _INPUT_ERRORS as err:
+        if debug:
+            raise
+        _error(command, err)
+        return 2
+    except Exception as err:  # noqa: BLE001 - the command's contract: one line, the traceback with --debug
+        if debug:
+            raise
+        _error(command, RuntimeError(f"{type(err).__name__}: {err} (run again with --debug for the traceback)"),
+               every_rank=True)
+        return 2
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -63,25 +104,29 @@ def cmd_train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mindspeed-hf train", allow_abbrev=False, add_help=False)
     parser.add_argument("--metrics-file", default=None, help="write the run's metrics as JSON here")
     parser.add_argument("--skip-quality-eval", action="store_true", help="skip the before/after quality check")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     parser.add_argument("-h", "--help", action="store_true")
     own, overrides = parser.parse_known_args(rest)
     if own.help:
         print(USAGE)
         return 0
     _setup_logging()
-    from .run_config import load_run_config
-    from .train import check_parallel_sizes, check_resume, run_training, training_args_for
 
-    try:  # configuration errors: one clear line, before any model is built
+    def work() -> int:
+        _enable()
+        from .run_config import load_run_config
+        from .train import check_parallel_sizes, check_resume, run_training, training_args_for
+
+        # configuration errors: one clear line, before any model is built
         run = load_run_config(config)
         args = training_args_for(run, overrides)
         check_resume(args)
         check_parallel_sizes(run, args)
-    except (ValueError, FileNotFoundError) as err:
-        _error("train", err)
-        return 2
-    run_training(run, args, metrics_file=own.metrics_file, quality_eval=False if own.skip_quality_eval else None)
-    return 0
+        run_training(run, args, metrics_file=own.metrics_file,
+                     quality_eval=False if own.skip_quality_eval else None)
+        return 0
+
+    return _one_line_errors("train", own.debug, work)
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -92,20 +137,34 @@ def cmd_bench(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="interleaved baseline/accelerated pairs; ratios are their median and spread (default 3)")
     parser.add_argument("--workdir", default=None, help="keep both runs' outputs here (default: a temp dir)")
+    parser.add_argument("--backend", default=None,
+                        help="the accelerated side's kernel backend: auto, torch, npu (where torch_npu loads), cuda")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="write a chrome trace of a few accelerated steps to DIR/trace.json, print the top ops")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw both runs' losses and the ratios with their spread (needs matplotlib: [plot])")
+    parser.add_argument("--memory", action="store_true", help="print the run's memory report instead")
     own, overrides = parser.parse_known_args(rest)
-    from .bench import bench
+    if own.memory:
+        from .memory_report import memory_report
+
+        return memory_report(config, overrides)
+    from .bench import bench, check_options
     from .run_config import load_run_config
 
-    try:  # fail here, once, on a bad config rather than in both subprocesses
+    try:  # fail here, once, on a bad config or option rather than in every subprocess
         load_run_config(config)
-    except (ValueError, FileNotFoundError) as err:
+        check_options(own.repeats, own.backend, own.plot)
+    except (ValueError, FileNotFoundError, ImportError) as err:
         _error("bench", err)
         return 2
-    if own.repeats < 1:
-        _error("bench", ValueError(f"--repeats={own.repeats} must be >= 1"))
-        return 2
-    table, _, _ = bench(config, steps=own.steps, overrides=overrides, workdir=own.workdir, repeats=own.repeats)
-    print(table)
+    result = bench(config, steps=own.steps, overrides=overrides, workdir=own.workdir, repeats=own.repeats,
+                   backend=own.backend, profile=own.profile)
+    print(result.report)
+    if own.plot:
+        from .bench_plot import plot
+
+        print(f"\nchart: {plot(result.bases, result.fasts, own.plot, result.counts)}")
     return 0
 
 
@@ -119,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "env":
         from .env import main as env_main
 
-        return env_main()
+        def env() -> int:
+            _enable()
+            return env_main()
+
+        return _one_line_errors("env", "--debug" in rest, env)
     handlers = {"train": cmd_train, "bench": cmd_bench}
     if command not in handlers:
         print(f"mindspeed-hf: unknown command {command!r}; choose one of train, env, bench\n\n{USAGE}",

@@ -1,6 +1,6 @@
 """The YAML run description of `mindspeed-hf train`, in the spirit of MindSpeed-MM's run files.
 
-Sections: `model` (a config to build from scratch, or a local model directory, plus the tokenizer), `data`
+Sections: `model` (a config to build from scratch, or a local model directory / hub id, plus the tokenizer), `data`
 (JSONL prompt/completion files, max length, packing), `parallel` and `features` (the accelerator config:
 mindspeed_hf.config), `training` (any transformers.TrainingArguments key), `evaluation` (the before/after
 quality check) and `runtime` (process settings). Everything is checked here, before any model is built:
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ BUILTIN = "builtin:"
 @dataclass
 class ModelSpec:
     """Which model to train: `config` (dict, or a path to config.json / a dir) builds it from scratch;
-    `name_or_path` (a local directory) loads pretrained weights."""
+    `name_or_path` (a local directory, or a Hugging Face hub id) loads pretrained weights."""
 
     config: dict[str, Any] | str | None = None
     name_or_path: str | None = None
@@ -120,6 +122,54 @@ def _existing(setting: str, value: str | None, base: Path, required: bool = True
     return str(path)
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it, but at call time."""
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE")
+    return bool(constants.HF_HUB_OFFLINE) if value is None else parse_flag(value, "HF_HUB_OFFLINE")
+
+
+def _hub_cache() -> str:
+    """The hub cache directory (HF_HUB_CACHE, else HF_HOME/hub, else huggingface_hub's default), read now."""
+    from huggingface_hub import constants
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    return constants.HF_HUB_CACHE
+
+
+def _model_source(setting: str, value: str, base: Path) -> str:
+    """A local directory (relative to the YAML file) or a Hugging Face hub id, as from_pretrained takes it: `org/name`,
+    or any id already in the local cache. With HF_HUB_OFFLINE=1 it must be cached; online it is fetched when the
+    model loads."""
+    path = resolve_path(str(value), base)
+    if path.exists() or str(value).startswith(BUILTIN):
+        return _existing(setting, value, base)
+    missing = FileNotFoundError(f"{setting}: {str(path)!r} does not exist (give a local model directory or a "
+                                "Hugging Face hub id such as Qwen/Qwen3-0.6B)")
+    if not _HUB_ID.fullmatch(str(value)):
+        raise missing
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(str(value), "config.json" if setting == "model.name_or_path" else
+                                    "tokenizer_config.json", cache_dir=_hub_cache())
+    if isinstance(cached, str):
+        return str(value)
+    if "/" not in str(value):  # not cached and no owner: a local path that is not there, not a hub id
+        raise missing
+    if not _hub_offline():  # fetched (or refused, naming the setting) when the model loads
+        return str(value)
+    raise FileNotFoundError(f"{setting}: {value!r} is neither a local directory nor a model in the Hugging Face cache "
+                            f"({_hub_cache()}) and HF_HUB_OFFLINE=1 forbids downloading it; download it first, set "
+                            "HF_HOME to the cache that has it, or give a local directory")
+
+
 def _scalar_type(hint: Any) -> type | None:
     """int / float / bool behind a TrainingArguments annotation (also inside Optional[...] / X | None)."""
     import typing
@@ -166,14 +216,17 @@ def training_keys() -> list[str]:
 def _validate_model(spec: ModelSpec, base: Path) -> ModelSpec:
     if (spec.config is None) == (spec.name_or_path is None):
         raise ValueError("model: give exactly one of model.config (build from scratch) or model.name_or_path "
-                         "(a local model directory)")
+                         "(a local model directory or a hub id)")
     if spec.name_or_path is not None:
-        spec.name_or_path = _existing("model.name_or_path", spec.name_or_path, base)
+        spec.name_or_path = _model_source("model.name_or_path", spec.name_or_path, base)
     if isinstance(spec.config, str):
         spec.config = _existing("model.config", spec.config, base)
     elif isinstance(spec.config, dict) and "model_type" not in spec.config:
         raise ValueError("model.config needs a model_type (e.g. qwen3, llama)")
-    spec.tokenizer = _existing("model.tokenizer", spec.tokenizer or spec.name_or_path, base)
+    source = spec.tokenizer or spec.name_or_path
+    if source is None:
+        raise ValueError("model.tokenizer is required (a local tokenizer directory or a hub id)")
+    spec.tokenizer = _model_source("model.tokenizer", source, base)
     if spec.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"model.dtype={spec.dtype!r} is not valid; choose one of float32, bfloat16, float16")
     return spec
@@ -242,6 +295,10 @@ def load_run_config(path: str | Path | None = None) -> RunConfig:
         raise type(err)(f"{file}: {err}") from None
 
 
+def _command_line_error(message: str) -> None:
+    raise ValueError(f"command line: {message}")
+
+
 def build_training_args(run: RunConfig, overrides: list[str], accelerated: bool):
     """TrainingArguments from the `training` section plus `--key value` overrides from the command line.
 
@@ -277,6 +334,7 @@ def build_training_args(run: RunConfig, overrides: list[str], accelerated: bool)
     for action in parser._actions:
         if action.dest != "help":
             action.default = argparse.SUPPRESS
+    parser.error = _command_line_error  # one line naming the option, not argparse's usage text and exit
     given, remaining = parser.parse_known_args(list(overrides))
     if remaining:
         raise ValueError(f"unknown training argument(s) {' '.join(remaining)}; valid: --<TrainingArguments key> "

@@ -8,9 +8,11 @@ tokens/s and peak memory while training, and writes an HF checkpoint (model + to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,24 @@ class ThroughputCallback(TrainerCallback):
         return (self._end[1] - self._after_first[1]) / (self._end[0] - self._after_first[0])
 
 
+@contextlib.contextmanager
+def _names_setting(setting: str, value: str) -> Iterator[None]:
+    """A model / tokenizer that does not load (a hub id that does not exist, no network): the setting named."""
+    try:
+        yield
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(f"{setting}: {value!r} does not load: {first}") from err
+
+
+def load_tokenizer(spec: ModelSpec) -> Any:
+    """The run's tokenizer (local directory or hub id)."""
+    from transformers import AutoTokenizer
+
+    with _names_setting("model.tokenizer", spec.tokenizer):
+        return AutoTokenizer.from_pretrained(spec.tokenizer)
+
+
 def build_model(spec: ModelSpec, tokenizer: Any):
     """The causal LM the spec describes: from scratch (config) or pretrained (name_or_path)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -71,7 +91,8 @@ def build_model(spec: ModelSpec, tokenizer: Any):
     if spec.attn_implementation:
         kwargs["attn_implementation"] = spec.attn_implementation
     if spec.name_or_path is not None:
-        return AutoModelForCausalLM.from_pretrained(spec.name_or_path, **kwargs)
+        with _names_setting("model.name_or_path", spec.name_or_path):
+            return AutoModelForCausalLM.from_pretrained(spec.name_or_path, **kwargs)
     if isinstance(spec.config, str):
         config = AutoConfig.from_pretrained(spec.config)
     else:
@@ -164,22 +185,29 @@ def check_parallel_sizes(run: RunConfig, args: Any) -> None:
 
 
 def check_resume(args: Any) -> None:
-    """Fail before any work when --resume_from_checkpoint has nothing to resume from."""
-    target = _resume_target(args.resume_from_checkpoint)
-    if target is True:
-        from transformers.trainer_utils import get_last_checkpoint
+    """Settle --resume_from_checkpoint before any work: without PATH, the newest complete checkpoint of output_dir
+    whose files read whole (interrupted saves and unreadable checkpoints are skipped, saying so); with PATH, that
+    checkpoint checked. Sets args.resume_from_checkpoint to the directory found; fails with one line otherwise."""
+    from ..trainers import checkpoints
 
-        if not Path(args.output_dir).is_dir() or get_last_checkpoint(args.output_dir) is None:
-            raise FileNotFoundError(f"--resume_from_checkpoint: no checkpoint-N directory in output_dir "
-                                    f"{str(args.output_dir)!r}; give a checkpoint path, or the output_dir of the run")
-    elif target is not None and not Path(target).is_dir():
-        raise FileNotFoundError(f"--resume_from_checkpoint: {target!r} is not a directory")
+    target = _resume_target(args.resume_from_checkpoint)
+    if target is None:
+        return
+    try:
+        if target is True:
+            found = checkpoints.newest_resumable(str(args.output_dir))
+        else:
+            found = checkpoints.check_checkpoint(target, sharded=False)
+    except checkpoints.CheckpointError as err:
+        raise ValueError(f"--{str(err)}") from None
+    args.resume_from_checkpoint = found
 
 
 def run_training(run: RunConfig, args: Any = None, metrics_file: str | None = None,
-                 quality_eval: bool | None = None) -> dict[str, Any]:
-    """Run one SFT job with `args` (default: training_args_for(run)); returns (and optionally writes) metrics."""
-    from transformers import AutoTokenizer, Trainer, set_seed
+                 quality_eval: bool | None = None, callbacks: list[Any] | None = None) -> dict[str, Any]:
+    """Run one SFT job with `args` (default: training_args_for(run)); returns (and optionally writes) metrics.
+    `callbacks`: extra TrainerCallbacks (`mindspeed-hf bench` counts a step with one)."""
+    from transformers import Trainer, set_seed
 
     import mindspeed_hf
 
@@ -189,7 +217,7 @@ def run_training(run: RunConfig, args: Any = None, metrics_file: str | None = No
         args = training_args_for(run)
     if accelerated:
         mindspeed_hf.enable(run.mindspeed)  # class patches follow the run's features
-    tokenizer = AutoTokenizer.from_pretrained(run.model.tokenizer)
+    tokenizer = load_tokenizer(run.model)
     train_rows, eval_rows = split_rows(run.data, args.seed)
     train_ds = tokenize_rows(train_rows, tokenizer, run.data)
     eval_ds = tokenize_rows(eval_rows, tokenizer, run.data, packing=False) if eval_rows else None
@@ -202,7 +230,7 @@ def run_training(run: RunConfig, args: Any = None, metrics_file: str | None = No
     trainer_cls = mindspeed_hf.MindSpeedTrainer if accelerated else Trainer
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                           data_collator=PaddingCollator(tokenizer.pad_token_id), processing_class=tokenizer,
-                          callbacks=[throughput])
+                          callbacks=[throughput, *(callbacks or [])])
     do_quality = run.evaluation.enabled if quality_eval is None else quality_eval
     resume = _resume_target(args.resume_from_checkpoint)
     # "before" is the untrained model's quality: meaningless for a run that continues from a checkpoint

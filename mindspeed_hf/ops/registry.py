@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import BACKEND_CHOICES  # declared with the settings (config imports no torch)
 from ..device import import_torch_npu
 
-BACKEND_CHOICES = ("auto", "torch", "npu", "cuda")
 _DEVICE_TO_BACKEND = {"npu": "npu", "cuda": "cuda"}
 
 

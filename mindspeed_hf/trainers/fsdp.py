@@ -7,9 +7,10 @@ model. Trainer's own code then runs with our pieces around it, through the seams
 
 - the accelerator is created without accelerate's FSDP plugin (and on CPU told the real world size), and keeps
   the sharded model as it is (no DDP, no second sharding);
-- checkpoints are Trainer's own `_save_checkpoint` (trainer state, RNG, scaler, rotation, best model): the model
-  and optimizer go in as DCP shards (`pytorch_model_fsdp_0/`, `optimizer_0/`, accelerate's names), and once every
-  rank is done the directory gets its COMPLETE marker; resume and best-model loading read the shards back.
+- checkpoints are Trainer's own `_save_checkpoint` (trainer state, RNG, scaler, rotation, best model), made
+  atomic by checkpoints.py as for every run: the model and optimizer go in as DCP shards (`pytorch_model_fsdp_0/`,
+  `optimizer_0/`, accelerate's names), the COMPLETE marker once every rank is done, rotation after it; resume and
+  best-model loading read the shards back.
 
 MindSpeedTrainer and the wiring of plain Trainer both call `dispatch`, so there is one implementation.
 """
@@ -31,7 +32,7 @@ from torch import nn
 from .. import parallel
 from ..device import detect_device_type
 from ..parallel.checkpoint import COMPLETE_MARKER
-from . import seams
+from . import checkpoints, seams
 from .fsdp_plan import FsdpPlan, resolve_plan, world_size_from
 
 __all__ = ["FsdpPlan", "FsdpState", "build_dims", "dispatch", "resolve_plan"]
@@ -170,31 +171,6 @@ def _checked(path: str) -> str:
     return path
 
 
-def resolve_resume(trainer: Any, resume: Any) -> Any:
-    """resume_from_checkpoint=True -> the newest COMPLETE checkpoint (interrupted saves are skipped)."""
-    if resume is True:
-        found = parallel.latest_complete_checkpoint(trainer.args.output_dir)
-        if found is None:
-            raise ValueError(f"No complete checkpoint (with a {COMPLETE_MARKER} marker) in {trainer.args.output_dir}")
-        return found
-    return _checked(resume) if resume else resume
-
-
-def _save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any) -> None:
-    """Trainer's own checkpoint save; the shards go in through save_model / _save_optimizer_and_scheduler below,
-    and the directory is marked COMPLETE once every rank has written its part."""
-    trainer._mindspeed_checkpoint_dir = None
-    try:
-        original(*args, **kwargs)
-        written = trainer._mindspeed_checkpoint_dir
-    finally:
-        trainer._mindspeed_checkpoint_dir = False
-    dist.barrier()
-    if dist.get_rank() == 0 and written:
-        parallel.mark_complete(written, global_step=trainer.state.global_step)
-    dist.barrier()
-
-
 def _save_model(trainer: Any, original: Callable, output_dir: str | None = None, _internal_call: bool = False) -> None:
     """Inside a checkpoint save: this rank's model shards. Otherwise a directory `from_pretrained` loads (PEFT:
     the adapter only), gathered to rank 0's host memory. Both with the tokenizer and training arguments, as
@@ -202,12 +178,7 @@ def _save_model(trainer: Any, original: Callable, output_dir: str | None = None,
     from transformers.trainer import TRAINING_ARGS_NAME
 
     output_dir = output_dir or trainer.args.output_dir
-    if getattr(trainer, "_mindspeed_checkpoint_dir", False) is None:  # called by Trainer._save_checkpoint
-        trainer._mindspeed_checkpoint_dir = output_dir
-        if dist.get_rank() == 0:
-            os.makedirs(output_dir, exist_ok=True)
-            parallel.unmark(output_dir)  # written over: not complete until the end of this save
-        dist.barrier()
+    if checkpoints.begin_checkpoint_dir(trainer, output_dir):  # called by Trainer._save_checkpoint: staging
         parallel.save_model_shards(trainer.model, os.path.join(output_dir, MODEL_DIR))
     else:
         parallel.save_hf_consolidated(trainer.model, output_dir)
@@ -279,7 +250,7 @@ OVERRIDES: dict[str, Callable[..., Any]] = {
     "_move_model_to_device": _move_model_to_device,
     "_defer_fsdp_gradient_reduction": _defer_reduction,
     "evaluation_loop": _evaluation_loop,
-    "_save_checkpoint": _save_checkpoint,
+    "_save_checkpoint": checkpoints.save_checkpoint,
     "save_model": _save_model,
     "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
     "_load_from_checkpoint": lambda trainer, original, path, model=None: load_model(trainer, path),
@@ -293,18 +264,22 @@ def is_requested(trainer: Any) -> bool:
 
 
 def dispatch(trainer: Any, name: str, original: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Run OVERRIDES[name] when this trainer shards with FSDP2, else Trainer's own `original` (bound)."""
+    """Run OVERRIDES[name] when this trainer shards with FSDP2, else checkpoints.PLAIN[name] (atomic checkpoints
+    for every run) or Trainer's own `original` (bound)."""
     if is_requested(trainer):
         return OVERRIDES[name](trainer, original, *args, **kwargs)
+    if name in checkpoints.PLAIN:
+        return checkpoints.PLAIN[name](trainer, original, *args, **kwargs)
     return original(*args, **kwargs)
 
 
 def resolve_train_call(trainer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """train(resume_from_checkpoint=...) with True/paths checked against the COMPLETE marker."""
-    if not is_requested(trainer):
-        return args, kwargs
+    """train(resume_from_checkpoint=...) settled for every run: True -> the newest complete checkpoint that reads,
+    a path checked (COMPLETE marker, readable files); see checkpoints.resolve_resume."""
+    sharded = is_requested(trainer)
     if args:
-        return (resolve_resume(trainer, args[0]), *args[1:]), kwargs
+        return (checkpoints.resolve_resume(trainer, args[0], sharded), *args[1:]), kwargs
     if "resume_from_checkpoint" in kwargs:
-        kwargs = {**kwargs, "resume_from_checkpoint": resolve_resume(trainer, kwargs["resume_from_checkpoint"])}
+        kwargs = {**kwargs, "resume_from_checkpoint": checkpoints.resolve_resume(
+            trainer, kwargs["resume_from_checkpoint"], sharded)}
     return args, kwargs

@@ -27,6 +27,7 @@ class Seam:
     kind: str
     why: str
     since: str = "4.57"  # first transformers release (in our range) that has it
+    until: str | None = None  # first release that no longer has it (the seam is then not used)
 
 
 SEAMS: tuple[Seam, ...] = (
@@ -35,7 +36,12 @@ SEAMS: tuple[Seam, ...] = (
          "accelerator created without accelerate's FSDP plugin (we shard); it keeps our sharded model unwrapped"),
     Seam("evaluation_loop", "method", "groups left gathered by an evaluation forward are resharded afterwards"),
     Seam("save_model", "method", "a sharded model is saved as consolidated safetensors / model shards (DCP)"),
-    Seam("_save_checkpoint", "method", "Trainer writes the checkpoint; we mark it COMPLETE once every rank is done"),
+    Seam("_save_checkpoint", "method",
+         "Trainer writes the checkpoint (every run); we mark it COMPLETE once every rank is done, then let Trainer's "
+         "rotation run (checkpoints.py)"),
+    Seam("_rotate_checkpoints", "method",
+         "Trainer's rotation, held back until the new checkpoint is COMPLETE (later releases: rotate_checkpoints)",
+         until="5.0"),
     # replaced while the model is FSDP2-sharded: Trainer's versions would treat DTensors as whole tensors
     Seam("_save_optimizer_and_scheduler", "method", "optimizer shards through DCP, not one rank's torch.save"),
     Seam("_load_from_checkpoint", "method", "model shards read back through DCP"),
@@ -55,6 +61,9 @@ SEAMS: tuple[Seam, ...] = (
     Seam("apply_liger_kernel", "module",
          "made a no-op during train() for a model we accelerate (so Liger does not patch the same layers); older "
          "releases apply Liger in Trainer.__init__, where use_liger_kernel with our kernels is refused", since="5.0"),
+    Seam("rotate_checkpoints", "module",
+         "Trainer's rotation, held back during a checkpoint save until the new checkpoint is COMPLETE, so "
+         "save_total_limit never deletes the last complete checkpoint", since="5.0"),
     # TrainingArguments internals
     Seam("_setup_devices", "arguments",
          "recomputed once with use_cpu on CPU under torchrun, so accelerate counts every process (use_cpu is given "
@@ -111,13 +120,17 @@ def _present(seam: Seam) -> bool:
 def missing(version: Version | None = None) -> list[Seam]:
     """The seams the installed releases should have (by `since`) but do not."""
     version = version or _transformers_version()
-    return [s for s in SEAMS if version >= Version(s.since) and not _present(s)]
+    return [s for s in SEAMS if _in_range(s, version) and not _present(s)]
+
+
+def _in_range(seam: Seam, version: Version) -> bool:
+    return version >= Version(seam.since) and (seam.until is None or version < Version(seam.until))
 
 
 def available(name: str) -> bool:
     """True when the installed transformers has seam `name` (a seam newer than it is simply not used)."""
     seam = next(s for s in SEAMS if s.name == name)
-    return _transformers_version() >= Version(seam.since) and _present(seam)
+    return _in_range(seam, _transformers_version()) and _present(seam)
 
 
 def check() -> None:

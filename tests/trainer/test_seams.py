@@ -22,6 +22,8 @@ PACKAGE = pathlib.Path(mindspeed_hf.__file__).parent
 def test_each_seam_exists_in_the_installed_release(seam):
     if Version(transformers.__version__) < Version(seam.since):
         pytest.skip(f"{seam.name} arrived in transformers {seam.since}; not used on {transformers.__version__}")
+    if seam.until is not None and Version(transformers.__version__) >= Version(seam.until):
+        pytest.skip(f"{seam.name} left in transformers {seam.until}; not used on {transformers.__version__}")
     assert seams._present(seam), f"transformers {transformers.__version__} has no {seam.name}: {seam.why}"
 
 

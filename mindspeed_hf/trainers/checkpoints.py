@@ -1,0 +1,291 @@
+"""Crash-safe Trainer checkpoints for every run (one process, DDP, FSDP2), through Trainer's own saving.
+
+Trainer's `_save_checkpoint` writes `checkpoint-N` in place, file by file, then rotates old checkpoints away. Around
+it (never instead of it):
+
+- staging: when Trainer's save enters `checkpoint-N` (its `save_model(output_dir, _internal_call=True)`), rank 0
+  removes the directory's COMPLETE marker, so while the files are being written the directory is a staging one
+  that nothing resumes from;
+- publishing: once Trainer's body returned on every rank, rank 0 writes the COMPLETE marker (fsync'ed);
+- rotation: Trainer's own rotation (`rotate_checkpoints`, 4.57: `_rotate_checkpoints`) is held back during the
+  save and run after the marker, so `save_total_limit` can never delete the last complete checkpoint before the new
+  one is published. Unmarked saves of a killed run numbered past the current step go first (they would be written
+  over anyway), so they never count as "the most recent checkpoint" that rotation keeps.
+
+Resume (`resume_from_checkpoint=True`) takes the newest complete checkpoint whose files can be read: directories
+without the marker are skipped with a line saying so, and a complete one with a truncated file (weights,
+optimizer, scheduler, RNG state, trainer state) gives one error line naming the file and falls back to the
+previous complete checkpoint. An output_dir written entirely without mindspeed_hf (no marker anywhere) is read by
+Hugging Face's own rule (the newest directory with trainer_state.json).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+import zipfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..parallel.checkpoint import COMPLETE_MARKER, _barrier, _rank, is_complete_checkpoint, mark_complete, unmark
+
+__all__ = ["CheckpointError", "begin_checkpoint_dir", "newest_resumable", "resolve_resume", "save_checkpoint",
+           "unreadable_file"]
+
+logger = logging.getLogger("mindspeed_hf")
+PREFIX = "checkpoint"
+TRAINER_STATE = "trainer_state.json"
+_TORCH_SAVED = (".pt", ".pth", ".bin")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from (one line: the directory or file, and what to do)."""
+
+
+def _say(level: int, message: str, *args: Any) -> None:
+    """Log once per run (rank 0): every rank reaches the same verdict on the same files."""
+    if _rank() == 0 and os.environ.get("RANK", "0") == "0":
+        logger.log(level, message, *args)
+
+
+# ---------------------------------------------------------------------------------------------- reading checks
+def _safetensors_problem(path: str, size: int) -> str | None:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return "truncated (no header)"
+        (length,) = struct.unpack("<Q", head)
+        if 8 + length > size:
+            return "truncated (header cut)"
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            return "corrupt header"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    return None if 8 + length + end <= size else f"truncated ({size} of {8 + length + end} bytes)"
+
+
+def _torch_file_problem(path: str, size: int) -> str | None:
+    """torch.save's zip format: the central directory is at the end, so a cut file has none."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"truncated ({info.filename} cut)"
+    except (zipfile.BadZipFile, OSError):
+        return "truncated or not a torch.save file"
+    return None
+
+
+def _dcp_problem(directory: str) -> str | None:
+    """A torch.distributed.checkpoint directory: its .metadata readable, every stored byte range present."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except Exception:  # noqa: BLE001 - any failure to unpickle is a damaged file
+        return f"{os.path.join(directory, '.metadata')}: truncated or corrupt"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        path = os.path.join(directory, name)
+        have = os.path.getsize(path) if os.path.isfile(path) else -1
+        if have < end:
+            return f"{path}: {'missing' if have < 0 else f'truncated ({have} of {end} bytes)'}"
+    return None
+
+
+def unreadable_file(checkpoint: str) -> str | None:
+    """"FILE: what is wrong" for the first file of `checkpoint` that cannot be read whole (weights, optimizer,
+    scheduler, RNG state, trainer state, DCP shards), None when all can. Reads headers and indexes only."""
+    for root, dirs, files in os.walk(checkpoint):
+        dirs.sort()
+        if ".metadata" in files:
+            problem = _dcp_problem(root)
+            if problem:
+                return problem
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            size = os.path.getsize(path)
+            problem = None
+            if name.endswith(".safetensors"):
+                problem = _safetensors_problem(path, size)
+            elif name.endswith(_TORCH_SAVED):
+                problem = _torch_file_problem(path, size)
+            elif name.endswith(".json") or name == COMPLETE_MARKER:
+                try:
+                    with open(path) as f:
+                        json.load(f)
+                except ValueError:
+                    problem = "truncated or not valid JSON"
+            if problem:
+                return f"{path}: {problem}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- choosing
+def _step(name: str) -> int | None:
+    m = re.fullmatch(rf"{PREFIX}-(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def _checkpoints(run_dir: str) -> list[str]:
+    """checkpoint-N directories of `run_dir`, newest (largest N) first."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = [(_step(n), os.path.join(run_dir, n)) for n in os.listdir(run_dir)]
+    return [path for step, path in sorted((f for f in found if f[0] is not None), reverse=True) if os.path.isdir(path)]
+
+
+def _finished(path: str, marked_run: bool) -> bool:
+    """Complete: the marker; in a directory written without mindspeed_hf, Trainer's last file (its own rule)."""
+    return is_complete_checkpoint(path) if marked_run else os.path.isfile(os.path.join(path, TRAINER_STATE))
+
+
+def newest_resumable(run_dir: str) -> str:
+    """The newest complete checkpoint of `run_dir` whose files can all be read; says which it skipped and why.
+
+    Raises:
+        CheckpointError: there is none.
+    """
+    found = _checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"resume_from_checkpoint: no checkpoint-N directory in output_dir {run_dir!r}; give a "
+                              "checkpoint path, or the output_dir of the run")
+    marked_run = any(is_complete_checkpoint(p) for p in found)
+    if not marked_run:
+        _say(logging.INFO, "mindspeed_hf: %s has no %s marker anywhere (written without mindspeed_hf): resuming "
+             "by Hugging Face's rule (the newest checkpoint with %s)", run_dir, COMPLETE_MARKER, TRAINER_STATE)
+    broken = None
+    for path in found:
+        if not _finished(path, marked_run):
+            _say(logging.WARNING, "mindspeed_hf: skipping %s: no %s marker (a save that did not finish)", path,
+                 COMPLETE_MARKER if marked_run else TRAINER_STATE)
+            continue
+        problem = unreadable_file(path)
+        if problem:
+            _say(logging.ERROR, "mindspeed_hf: checkpoint %s cannot be read: %s; falling back to the previous "
+                 "complete checkpoint", path, problem)
+            broken = broken or problem
+            continue
+        if broken:
+            _say(logging.WARNING, "mindspeed_hf: resuming from %s (the newest complete checkpoint that reads)", path)
+        return path
+    detail = f" (newest unreadable file: {broken})" if broken else ""
+    raise CheckpointError(f"resume_from_checkpoint: no complete checkpoint in output_dir {run_dir!r}{detail}; "
+                          "train without resume_from_checkpoint, or give a checkpoint directory")
+
+
+def check_checkpoint(path: str, sharded: bool) -> str:
+    """An explicitly given checkpoint directory, checked: it exists, its save finished, its files read whole."""
+    path = os.path.normpath(str(path))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"resume_from_checkpoint: {path!r} is not a directory")
+    siblings = _checkpoints(os.path.dirname(path) or ".")
+    legacy = (not sharded and os.path.isfile(os.path.join(path, TRAINER_STATE))  # a run written without mindspeed_hf
+              and not any(is_complete_checkpoint(p) for p in siblings))
+    if not is_complete_checkpoint(path) and not legacy:
+        raise CheckpointError(f"resume_from_checkpoint: {path!r} is not a complete checkpoint (no {COMPLETE_MARKER} "
+                              "marker: an interrupted save); resume_from_checkpoint=True picks the newest complete one")
+    problem = unreadable_file(path)
+    if problem:
+        raise CheckpointError(f"resume_from_checkpoint: {problem}; resume from an earlier checkpoint, or "
+                              "resume_from_checkpoint=True for the newest one that reads")
+    return path
+
+
+def resolve_resume(trainer: Any, resume: Any, sharded: bool = False) -> Any:
+    """Trainer.train's resume_from_checkpoint, settled: True -> the newest complete readable checkpoint of the
+    run's output_dir; a path -> checked (marker, readable files); anything else unchanged."""
+    if resume is True:
+        return newest_resumable(trainer.args.output_dir)
+    if isinstance(resume, str | os.PathLike) and str(resume):
+        return check_checkpoint(str(resume), sharded)
+    return resume
+
+
+# ---------------------------------------------------------------------------------------------- saving
+def begin_checkpoint_dir(trainer: Any, output_dir: str) -> bool:
+    """Called from save_model: inside Trainer's checkpoint save, record `output_dir` and take its marker away (the
+    directory is being written: staging) on every rank's behalf. False for any other save_model call."""
+    if getattr(trainer, "_mindspeed_checkpoint_dir", False) is not None:
+        return False
+    trainer._mindspeed_checkpoint_dir = output_dir
+    if _rank() == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        unmark(output_dir)
+    _barrier()
+    return True
+
+
+@contextlib.contextmanager
+def _rotation_held(trainer: Any, held: list[Callable[[], None]]) -> Iterator[None]:
+    """Trainer's rotation recorded into `held` instead of run (5.x: transformers.trainer.rotate_checkpoints;
+    4.57: the trainer's _rotate_checkpoints)."""
+    import transformers.trainer as hf_trainer
+
+    original = getattr(hf_trainer, "rotate_checkpoints", None)
+    if original is not None:
+        def rotate_checkpoints(*args: Any, **kwargs: Any) -> None:
+            held.append(lambda: original(*args, **kwargs))
+
+        hf_trainer.rotate_checkpoints = rotate_checkpoints
+        try:
+            yield
+        finally:
+            hf_trainer.rotate_checkpoints = original
+        return
+    method = trainer._rotate_checkpoints
+    trainer._rotate_checkpoints = lambda *args, **kwargs: held.append(lambda: method(*args, **kwargs))
+    try:
+        yield
+    finally:
+        del trainer._rotate_checkpoints
+
+
+def _drop_stale_saves(run_dir: str, step: int) -> None:
+    """Unmarked checkpoint dirs numbered past `step`: interrupted saves of a killed run that this run has not
+    reached again. Rotation would keep one as "the most recent" in place of the checkpoint just published."""
+    for path in _checkpoints(run_dir):
+        number = _step(os.path.basename(path))
+        if number is not None and number > step and not is_complete_checkpoint(path):
+            _say(logging.INFO, "mindspeed_hf: removing %s (an interrupted save past step %d)", path, step)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any) -> None:
+    """Trainer's own `_save_checkpoint` (bound `original`), made atomic: staging while it writes, the COMPLETE
+    marker once every rank is done, then Trainer's rotation. Collective under torch.distributed."""
+    held: list[Callable[[], None]] = []
+    trainer._mindspeed_checkpoint_dir = None  # "inside a checkpoint save": save_model records the directory
+    try:
+        with _rotation_held(trainer, held):
+            original(*args, **kwargs)
+        written = trainer._mindspeed_checkpoint_dir
+    finally:
+        trainer._mindspeed_checkpoint_dir = False
+    _barrier()
+    if _rank() == 0 and written:
+        mark_complete(written, global_step=trainer.state.global_step)
+    _barrier()
+    if held and written and trainer.args.save_total_limit:
+        _drop_stale_saves(os.path.dirname(os.path.normpath(written)), trainer.state.global_step)
+    for rotate in held:  # Trainer calls it where it should (should_save); the newest kept is the one just marked
+        rotate()
+
+
+def save_model(trainer: Any, original: Callable, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    """Trainer's own save_model; when Trainer's checkpoint save calls it, the directory becomes a staging one."""
+    begin_checkpoint_dir(trainer, output_dir or trainer.args.output_dir)
+    original(output_dir, _internal_call=_internal_call)
+
+
+#: Trainer method name -> implementation(trainer, bound original, ...), for every run that is not FSDP2-sharded
+#: (fsdp.OVERRIDES has the sharded versions, which use the same save_checkpoint / begin_checkpoint_dir).
+PLAIN: dict[str, Callable[..., Any]] = {"_save_checkpoint": save_checkpoint, "save_model": save_model}
