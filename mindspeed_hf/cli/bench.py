@@ -2,7 +2,10 @@
 with it, each in its own process so neither sees the other's patches, in interleaved pairs (A B, B A, A B, ...),
 so that load from other work on the machine hits both sides alike. Each figure is printed as the median of the
 per-pair ratios with their min..max spread, and a verdict only where every pair's ratio lies beyond 1 +- MARGIN.
-The first step of every run (one-time costs) is outside tokens/s.
+The first step of every run (one-time costs) is outside tokens/s; the median-step figures (bench_child) are what
+bursts of other work on the machine move least. Then one counted step of each side (bench_counts: operators
+dispatched, torch_npu calls, bytes saved for backward, largest tensor: deterministic, independent of load), and
+with --profile a trace of a few accelerated steps (bench_profile); --plot draws it all (bench_plot).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,24 +24,28 @@ RUNS = (("baseline (plain HF)", "0"), ("mindspeed_hf", "1"))
 MAX_ROWS = 20  # per-step loss rows printed
 MARGIN = 0.02  # a verdict needs every pair's ratio beyond 1 +- MARGIN
 #: figure -> (metrics key, better when larger, format)
-FIGURES = {"tokens/s": ("tokens_per_s", True, ",.0f"), "train runtime (s)": ("train_runtime_s", False, ".2f"),
+FIGURES = {"tokens/s, median step": ("step_tokens_per_s", True, ",.0f"),
+           "step time (ms), median step": ("step_time_ms", False, ".1f"),
+           "tokens/s": ("tokens_per_s", True, ",.0f"), "train runtime (s)": ("train_runtime_s", False, ".2f"),
            "peak memory (MiB)": ("peak_memory_bytes", False, ",.0f")}
+
+
+def _run_side(name: str, cmd: list[str], auto: str, stage: str = "bench") -> None:
+    """Run one side's subprocess (MINDSPEED_HF_AUTO=auto); a failure raises with the end of its stderr."""
+    print(f"[{stage}] {name}: {' '.join(cmd[1:])}", flush=True)
+    proc = subprocess.run(cmd, env={**os.environ, "MINDSPEED_HF_AUTO": auto}, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench: the {name} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
 def run_one(config: str | None, auto: str, workdir: Path, steps: int, overrides: list[str],
             tag: str = "") -> dict[str, Any]:
-    """One `mindspeed-hf train` in a subprocess; returns its metrics JSON."""
+    """One timed `train` run (bench_child timed) in a subprocess; returns its metrics JSON."""
     name = ("accelerated" if auto == "1" else "baseline") + tag
     metrics = workdir / f"{name}.json"
-    cmd = [sys.executable, "-m", "mindspeed_hf.cli.main", "train", *([config] if config else []),
-           "--metrics-file", str(metrics), "--skip-quality-eval",
-           "--output_dir", str(workdir / name), "--max_steps", str(steps), "--logging_steps", "1",
-           "--save_strategy", "no", "--disable_tqdm", "true", *overrides]
-    env = {**os.environ, "MINDSPEED_HF_AUTO": auto}
-    print(f"[bench] {name}: {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench: the {name} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    _run_side(name, [sys.executable, "-m", "mindspeed_hf.cli.bench_child", "timed", *([config] if config else []),
+                     "--out", str(metrics), "--output_dir", str(workdir / name), "--max_steps", str(steps),
+                     "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true", *overrides], auto)
     return json.loads(metrics.read_text())
 
 
@@ -50,21 +58,30 @@ def _value(metrics: dict[str, Any], key: str) -> float | None:
     return None if value is None else float(value) / (2**20 if key == "peak_memory_bytes" else 1)
 
 
+def ratio_stats(name: str, bases: list[dict[str, Any]], fasts: list[dict[str, Any]]) -> tuple[float, ...] | None:
+    """(median, min, max) of the per-pair accelerated/baseline ratios of figure `name`; None when none exists."""
+    key = FIGURES[name][0]
+    ratios = [f / b for b, f in ((_value(b, key), _value(f, key)) for b, f in zip(bases, fasts, strict=True))
+              if b and f is not None]
+    return (statistics.median(ratios), min(ratios), max(ratios)) if ratios else None
+
+
 def _ratio_row(name: str, bases: list[dict[str, Any]], fasts: list[dict[str, Any]]) -> tuple[str, ...]:
     key, larger_is_better, spec = FIGURES[name]
-    pairs = [(_value(b, key), _value(f, key)) for b, f in zip(bases, fasts, strict=True)]
-    ratios = [f / b for b, f in pairs if b and f is not None]
-    base = statistics.median(b for b, _ in pairs if b is not None) if pairs else None
-    fast = statistics.median(f for _, f in pairs if f is not None) if pairs else None
-    if not ratios:
+    base_values = [v for v in (_value(b, key) for b in bases) if v is not None]
+    fast_values = [v for v in (_value(f, key) for f in fasts) if v is not None]
+    base = statistics.median(base_values) if base_values else None
+    fast = statistics.median(fast_values) if fast_values else None
+    stats = ratio_stats(name, bases, fasts)
+    if stats is None:
         return name, _fmt(base, spec), _fmt(fast, spec), "n/a", "", ""
-    low, high = min(ratios), max(ratios)
+    median, low, high = stats
     if low > 1 + MARGIN or high < 1 - MARGIN:
         verdict = "better" if (low > 1) == larger_is_better else "worse"
     else:
         verdict = f"no clear difference (within {MARGIN:.0%}, or the spread straddles it)"
-    spread = f"{low:.2f}..{high:.2f}" if len(ratios) > 1 else "one pair: no spread"
-    return name, _fmt(base, spec), _fmt(fast, spec), f"{statistics.median(ratios):.2f}x", spread, verdict
+    spread = f"{low:.2f}..{high:.2f}" if len(bases) > 1 else "one pair: no spread"
+    return name, _fmt(base, spec), _fmt(fast, spec), f"{median:.2f}x", spread, verdict
 
 
 def compare(bases: list[dict[str, Any]], fasts: list[dict[str, Any]]) -> str:
@@ -92,18 +109,89 @@ def compare(bases: list[dict[str, Any]], fasts: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def bench(config: str | None, steps: int = 20, overrides: list[str] | None = None, workdir: str | None = None,
-          repeats: int = 3) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
-    """Run `repeats` interleaved pairs (A B, B A, ...); returns (table, baseline metrics, accelerated metrics)."""
+#: per-step proxy -> (counts key, scale, format); see bench_counts
+PROXIES = {"kernels dispatched (aten + torch_npu)": (None, 1, ",.0f"), "aten operators": ("aten_ops", 1, ",.0f"),
+           "torch_npu kernel calls (fwd + bwd)": ("npu_calls", 1, ",.0f"),
+           "saved for backward (MiB)": ("saved_bytes", 2**20, ",.2f"),
+           "largest tensor allocated (MiB)": ("largest_alloc_bytes", 2**20, ",.2f")}
+
+
+def proxy_value(counts: dict[str, Any], name: str) -> float:
+    """One per-step proxy of a counted run (bench_counts), in the unit PROXIES gives it."""
+    key, scale, _ = PROXIES[name]
+    return (counts["aten_ops"] + counts["npu_calls"]) if key is None else counts[key] / scale
+
+
+def count_table(base: dict[str, Any], fast: dict[str, Any]) -> str:
+    """The device-independent proxies of one counted training step (forward + backward + optimizer) of each side,
+    with their ratios: the same code gives the same numbers on any machine."""
+    lines = ["## per training step, counted (deterministic: independent of machine load)", "",
+             f"| | {RUNS[0][0]} | {RUNS[1][0]} | ratio |", "|---|---|---|---|"]
+    for name, (_, _, spec) in PROXIES.items():
+        b, f = proxy_value(base, name), proxy_value(fast, name)
+        lines.append(f"| {name} | {b:{spec}} | {f:{spec}} | {f'{f / b:.2f}x' if b else 'n/a'} |")
+    if fast["npu_calls"] and "npu_standin" in str(fast.get("torch_npu")):
+        lines += ["", "torch_npu here is the CPU stand-in: each call and its backward count as one kernel, but its "
+                      "saved bytes are those of its reference math, not the device kernel's."]
+    return "\n".join(lines)
+
+
+def run_counts(config: str | None, auto: str, workdir: Path, overrides: list[str],
+               profile: str | None = None) -> dict[str, Any]:
+    """The counted run (bench_counts) of one side in a subprocess, optionally profiling a few more steps."""
+    name = ("accelerated" if auto == "1" else "baseline") + "_counted"
+    out = workdir / f"{name}.json"
+    _run_side(name, [sys.executable, "-m", "mindspeed_hf.cli.bench_child", "counted", *([config] if config else []),
+                     "--out", str(out), *(["--profile", profile] if profile else []),
+                     "--output_dir", str(workdir / name), *overrides], auto, stage="bench counted")
+    return json.loads(out.read_text())
+
+
+@dataclass
+class BenchResult:
+    """What `bench` measured: the paired timed runs' metrics, each side's counted step, the printed report."""
+
+    bases: list[dict[str, Any]]
+    fasts: list[dict[str, Any]]
+    counts: dict[str, dict[str, Any]]  # "baseline" / "accelerated" -> bench_counts output
+    report: str
+
+
+def check_options(repeats: int, backend: str | None, plot: str | None) -> None:
+    """Bad bench options fail here, before any run: one line naming the option and the valid choices."""
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be >= 1")
+    if backend is not None:
+        from ..ops.registry import validate_backend_name
+
+        validate_backend_name(backend.lower(), "--backend")
+    if plot is not None:
+        from .bench_plot import require_matplotlib
+
+        require_matplotlib()
+
+
+def bench(config: str | None, steps: int = 20, overrides: list[str] | None = None, workdir: str | None = None,
+          repeats: int = 3, backend: str | None = None, profile: str | None = None) -> BenchResult:
+    """Run `repeats` interleaved pairs (A B, B A, ...), then one counted step of each side (and, with `profile`,
+    a trace of a few accelerated steps into that directory). `backend` forces the accelerated side's kernels."""
+    check_options(repeats, backend, None)
+    common = list(overrides or [])
+    sides = {"0": common, "1": [*common, *(["--mindspeed_backend", backend.lower()] if backend else [])]}
     bases, fasts = [], []
     with tempfile.TemporaryDirectory(prefix="mindspeed_bench_") as tmp:
         root = Path(workdir or tmp)
         root.mkdir(parents=True, exist_ok=True)
         for i in range(repeats):
             order = RUNS if i % 2 == 0 else RUNS[::-1]
-            done = {auto: run_one(config, auto, root, steps, overrides or [], tag=f"_{i}") for _, auto in order}
+            done = {auto: run_one(config, auto, root, steps, sides[auto], tag=f"_{i}") for _, auto in order}
             bases.append(done["0"])
             fasts.append(done["1"])
-    return compare(bases, fasts), bases, fasts
+        counts = {"baseline": run_counts(config, "0", root, sides["0"]),
+                  "accelerated": run_counts(config, "1", root, sides["1"], profile=profile)}
+    report = compare(bases, fasts) + "\n\n" + count_table(counts["baseline"], counts["accelerated"])
+    if profile:
+        from .bench_profile import TRACE_NAME, top_ops
+
+        report += "\n\n" + top_ops(Path(profile) / TRACE_NAME)
+    return BenchResult(bases, fasts, counts, report)

@@ -52,18 +52,36 @@ class _Created(TorchDispatchMode):
         return sum(n for ref, n in self.storages.values() if not ref.expired())
 
 
+class SavedStorages:
+    """The distinct storages autograd saves for backward while `hooks()` is active, `model`'s parameters and
+    buffers excluded: `nbytes` and `count`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.exclude = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+        self.saved: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in self.exclude:
+            self.saved[storage._cdata] = storage.nbytes()
+        return t
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.saved.values())
+
+    @property
+    def count(self) -> int:
+        return len(self.saved)
+
+
 def measure_forward(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, ForwardMemory]:
     """Run `forward()` (returns the loss) and measure what it keeps for backward; returns (loss, ForwardMemory).
     Call `loss.backward()` afterwards as usual."""
-    exclude = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in exclude:
-            saved[storage._cdata] = storage.nbytes()
-        return t
-
-    with _Created(exclude) as created, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    saved = SavedStorages(model)
+    with _Created(saved.exclude) as created, saved.hooks():
         loss = forward()
-    return loss, ForwardMemory(sum(saved.values()), len(saved), created.alive_bytes())
+    return loss, ForwardMemory(saved.nbytes, saved.count, created.alive_bytes())

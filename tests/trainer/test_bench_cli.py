@@ -1,0 +1,90 @@
+"""`mindspeed-hf bench` end to end on the npu path (the stand-in torch_npu on the children's path): the counted
+step of each side, with fewer kernels dispatched than plain HF; `--profile` writes a chrome trace that loads,
+with events, and prints the top operators; `--plot` writes a PNG; bad options fail in one line before any run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from child_runs import REPO
+from conftest import cli
+
+from mindspeed_hf.cli import bench_plot
+
+STANDIN = REPO / "tests" / "npu_standin"
+
+
+def _row(out: str, name: str) -> list[str]:
+    line = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+@pytest.fixture(scope="module")
+def npu_bench(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    args = ["bench", "--steps", "2", "--repeats", "1", "--backend", "npu", "--profile", str(tmp / "prof"),
+            "--workdir", str(tmp / "work")]
+    if bench_plot.matplotlib_available():
+        args += ["--plot", str(tmp / "chart.png")]
+    proc = cli(args, PYTHONPATH=os.pathsep.join([str(REPO), str(STANDIN)]))
+    return proc.stdout, tmp
+
+
+def test_bench_counts_a_step_of_each_side(npu_bench):
+    out, tmp = npu_bench
+    base = json.loads((tmp / "work" / "baseline_counted.json").read_text())
+    fast = json.loads((tmp / "work" / "accelerated_counted.json").read_text())
+    assert base["npu_calls"] == 0 and fast["npu_calls"] > 0 and "npu_standin" in fast["torch_npu"]
+    assert fast["npu_by_op"]["npu_rms_norm"] == fast["npu_by_op"]["npu_rms_norm.backward"] == 17  # 4 layers x 4 + 1
+    kernels = _row(out, "kernels dispatched (aten + torch_npu)")
+    assert kernels[1:] == [f"{base['aten_ops']:,}", f"{fast['aten_ops'] + fast['npu_calls']:,}",
+                           f"{(fast['aten_ops'] + fast['npu_calls']) / base['aten_ops']:.2f}x"]
+    assert float(kernels[3].rstrip("x")) < 0.85
+    assert _row(out, "torch_npu kernel calls (fwd + bwd)")[1:3] == ["0", str(fast["npu_calls"])]
+    assert "torch_npu here is the CPU stand-in" in out
+    for name in ("aten operators", "saved for backward (MiB)", "largest tensor allocated (MiB)"):
+        assert _row(out, name)[3].endswith("x"), name
+
+
+def test_bench_profile_writes_a_loadable_trace_and_top_ops(npu_bench):
+    out, tmp = npu_bench
+    trace = json.loads((tmp / "prof" / "trace.json").read_text())
+    ops = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    assert any(e["name"] == "aten::mm" for e in ops), len(ops)
+    assert f"## top 15 operators by self time ({tmp / 'prof' / 'trace.json'})" in out
+    assert "| aten::mm | cpu_op |" in out
+
+
+@pytest.mark.skipif(not bench_plot.matplotlib_available(), reason="matplotlib not installed ([plot] extra)")
+def test_bench_plot_writes_a_png(npu_bench):
+    out, tmp = npu_bench
+    chart = tmp / "chart.png"
+    assert f"chart: {chart}" in out and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
+
+
+def test_bench_bad_options_fail_in_one_line(tmp_path, capsys):
+    from mindspeed_hf.cli.main import main
+
+    assert main(["bench", "--backend", "tpu", "--workdir", str(tmp_path)]) == 2
+    assert not (tmp_path / "baseline_0.json").exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "mindspeed-hf bench: error: --backend='tpu' is not valid; choose one of auto, torch, npu, cuda")
+    assert main(["bench", "--repeats", "0", "--workdir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "mindspeed-hf bench: error: --repeats=0 must be >= 1"
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"--plot needs matplotlib: pip install 'mindspeed_hf\[plot\]'"):
+        bench_plot.require_matplotlib()
+
+
+def test_self_time_is_duration_less_nested_events_per_thread():
+    from mindspeed_hf.cli.bench_profile import self_times
+
+    span = {"ph": "X", "cat": "cpu_op", "pid": 1}
+    events = [dict(span, name="outer", ts=0, dur=10, tid=1), dict(span, name="inner", ts=2, dur=3, tid=1),
+              dict(span, name="inner", ts=6, dur=2, tid=1), dict(span, name="inner", ts=1, dur=4, tid=2)]
+    assert self_times(events) == {("cpu_op", "outer"): (1, 5.0), ("cpu_op", "inner"): (3, 9.0)}
