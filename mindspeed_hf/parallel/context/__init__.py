@@ -1,0 +1,37 @@
+"""Context parallelism building blocks: one sequence split across the cp ranks.
+
+- split.py: the sequence splitter (global label shift, padding to a multiple of cp / 2 * cp, contiguous or zigzag
+  slices, global position ids, packed-document segment ids) and its inverse.
+- ring.py: ring attention (K/V passed around the group, log-sum-exp merge, causal block skipping, zigzag, GQA,
+  packed documents) as an autograd function.
+- ulysses.py: the Ulysses all-to-all (heads <-> sequence) and Ulysses attention around any kernel.
+- hybrid.py: `context_attention`, Ulysses inside and ring across (either optional), the one entry for attention.
+- blocks.py: one block's attention with its log-sum-exp and its backward, per device (CPU flash kernel, CUDA
+  SDPA flash, NPU npu_fusion_attention / npu_fusion_attention_grad), chosen by the kernel registry.
+"""
+
+from .blocks import block_backward, block_forward
+from .hybrid import context_attention
+from .ring import local_attention, ring_attention
+from .split import gather_sequence, padded_length, segment_ids, shard_indices, shift_labels, split_batch, unshard
+from .ulysses import all_to_all, check_ulysses_heads, heads_to_seq, seq_to_heads, ulysses_attention
+
+__all__ = [
+    "all_to_all",
+    "block_backward",
+    "block_forward",
+    "check_ulysses_heads",
+    "context_attention",
+    "gather_sequence",
+    "heads_to_seq",
+    "local_attention",
+    "padded_length",
+    "ring_attention",
+    "segment_ids",
+    "seq_to_heads",
+    "shard_indices",
+    "shift_labels",
+    "split_batch",
+    "ulysses_attention",
+    "unshard",
+]
