@@ -6,6 +6,7 @@ refuses to load beside a CUDA build of torch. Either way we warn once and carry 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -81,3 +82,83 @@ def peak_memory_bytes(device_type: str) -> int:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+# ---------------------------------------------------------------------------------------------- host transfers
+class HostStream:
+    """The CPU's stand-in for a device stream: work runs when it is issued, so waiting is already done."""
+
+    def wait_stream(self, other: object) -> None:
+        """Nothing to wait for: CPU copies have finished when they return."""
+
+    def wait_event(self, event: object) -> None:
+        """Nothing to wait for (see wait_stream)."""
+
+    def synchronize(self) -> None:
+        """Nothing pending."""
+
+
+class HostEvent:
+    """The CPU's stand-in for a device event: recorded means done."""
+
+    def record(self, stream: object = None) -> None:
+        """Mark the point (already reached on the CPU)."""
+
+    def synchronize(self) -> None:
+        """Already reached."""
+
+    def query(self) -> bool:
+        return True
+
+
+class Transfers:
+    """What copies between device and host memory need on one device type: a side stream, events, host buffers.
+
+    On NPU / CUDA these are the real torch.npu / torch.cuda streams and events and pinned host memory, so copies
+    issued on the side stream overlap the compute stream. On the CPU (`module` None) the streams and events are
+    HostStream / HostEvent, whose work is done when issued; copies still go into separate host buffers, so code
+    written against this class runs the same logic on the CPU."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.module = device_module(device_type)
+        self._side: object | None = None
+
+    @property
+    def asynchronous(self) -> bool:
+        """True where copies run on a real side stream (NPU / CUDA)."""
+        return self.module is not None
+
+    def current_stream(self) -> object:
+        return self.module.current_stream() if self.module is not None else HostStream()
+
+    def side_stream(self) -> object:
+        """The one side stream of this device type (created on first use)."""
+        if self._side is None:
+            self._side = self.module.Stream() if self.module is not None else HostStream()
+        return self._side
+
+    def on(self, stream: object) -> contextlib.AbstractContextManager:
+        """Context in which work is issued on `stream`."""
+        return self.module.stream(stream) if self.module is not None else contextlib.nullcontext()
+
+    def event(self) -> object:
+        return self.module.Event() if self.module is not None else HostEvent()
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of host memory (a uint8 tensor): pinned on an accelerator, so copies can be asynchronous."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.module is not None)
+
+    def used_by(self, tensor: torch.Tensor, stream: object) -> None:
+        """Tell the caching allocator that `stream` uses `tensor` (its memory is not reused before that work
+        completes, even once freed); nothing to do on the CPU."""
+        if self.module is not None:
+            tensor.record_stream(stream)
+
+
+@functools.cache
+def transfers(device_type: str) -> Transfers:
+    """The Transfers of a device type (one side stream per process and device type)."""
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"unsupported device type {device_type!r}; valid choices: {', '.join(DEVICE_TYPES)}")
+    return Transfers(device_type)

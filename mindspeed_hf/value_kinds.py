@@ -113,3 +113,25 @@ def layer_selection() -> Kind:
     """`all`, an integer n >= 1 (every n-th layer: 0, n, 2n, ...) or a list of layer indices (as text `0,2,5`, or
     `[3]` for a single index)."""
     return Kind("all, n or a list of layer indices", _selection)
+
+
+def flag() -> Kind:
+    """true or false (parse_flag's reading); a bare command-line flag means true."""
+    return Kind("true or false", lambda where, value: parse_flag(value, where), (("nargs", "?"), ("const", True)))
+
+
+def non_negative_int(unit: str = "") -> Kind:
+    """An integer >= 0 (as text: its digits); `unit` names what it counts, in the error."""
+
+    def check(where: str, value: Any) -> int:
+        number = value
+        if isinstance(value, str):
+            try:
+                number = int(value.strip())
+            except ValueError:
+                number = None
+        if not _is_int(number) or number < 0:
+            raise ValueError(f"{where}={value!r} must be an integer >= 0{f' ({unit})' if unit else ''}")
+        return number
+
+    return Kind(f"an integer >= 0{f' ({unit})' if unit else ''}", check)

@@ -55,15 +55,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def chosen_layers(selection: str | int | list[int], count: int) -> list[int]:
-    """The indices `memory.recompute_layers` picks out of `count` layers; an index past the last one is an error."""
+def chosen_layers(selection: str | int | list[int], count: int, setting: str = "memory.recompute_layers") -> list[int]:
+    """The indices a layer selection (`setting`: memory.recompute_layers, memory.offload_layers) picks out of `count`
+    layers; an index past the last one is an error naming `setting`."""
     if selection == "all":
         return list(range(count))
     if isinstance(selection, int):
         return list(range(0, count, selection))
     outside = [i for i in selection if i >= count]
     if outside:
-        raise ValueError(f"memory.recompute_layers={selection!r}: the model has {count} decoder layers; valid "
+        raise ValueError(f"{setting}={selection!r}: the model has {count} decoder layers; valid "
                          f"indices are 0..{count - 1}")
     return list(selection)
 

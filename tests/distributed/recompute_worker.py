@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,6 +62,7 @@ def step(model, data) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 def sharded_run(lora: bool, memory: dict, rank: int, world: int):
+    """One step of the FSDP2-sharded model with `memory` settings: (loss, local grad shards, full grads, model)."""
     model = build(lora)
     config = config_from_dict({"memory": memory})
     mindspeed_hf.apply_to_model(model, config)
@@ -71,33 +73,46 @@ def sharded_run(lora: bool, memory: dict, rank: int, world: int):
     loss, local = step(model, data)
     full = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
             for n, p in model.named_parameters() if p.grad is not None}
-    return loss, local, full
+    return loss, local, full, model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    init_distributed("cpu")
+def all_ranks(flag: bool) -> bool:
+    """True when `flag` holds on every rank."""
+    flags = torch.tensor([0 if flag else 1])
+    dist.all_reduce(flags)
+    return int(flags.item()) == 0
+
+
+def compare_settings(settings: dict[str, dict], extra: Callable[[torch.nn.Module], dict] = lambda model: {}) -> dict:
+    """Per case ("plain/<setting>", "lora/<setting>"): bitwise equality with the sharded run without any memory
+    setting, the largest difference from one process, the number of gradients, and `extra(model)`."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mindspeed_hf.enable()
     report = {}
     for lora in (False, True):
         single = build(lora)
         mindspeed_hf.apply_to_model(single, config_from_dict({}))
         _, reference = step(single, batch())
-        base_loss, base_local, _ = sharded_run(lora, {}, rank, world)
-        for name, memory in SETTINGS.items():
-            loss, local, full = sharded_run(lora, memory, rank, world)
+        base_loss, base_local, _, _ = sharded_run(lora, {}, rank, world)
+        for name, memory in settings.items():
+            loss, local, full, model = sharded_run(lora, memory, rank, world)
             equal = torch.equal(loss, base_loss) and local.keys() == base_local.keys() and all(
                 torch.equal(g, base_local[n]) for n, g in local.items())
-            flags = torch.tensor([0 if equal else 1])
-            dist.all_reduce(flags)
-            diff = max((full[n] - reference[n]).abs().max().item() for n in reference)
             report[f"{'lora' if lora else 'plain'}/{name}"] = {
-                "bitwise_equal_all_ranks": int(flags.item()) == 0, "max_diff_vs_one_process": diff,
-                "grads": len(local)}
-    if rank == 0:
+                "bitwise_equal_all_ranks": all_ranks(equal),
+                "max_diff_vs_one_process": max((full[n] - reference[n]).abs().max().item() for n in reference),
+                "grads": len(local), **extra(model)}
+    return report
+
+
+def main(settings: dict[str, dict] = SETTINGS, extra: Callable[[torch.nn.Module], dict] = lambda model: {}) -> None:
+    """Run compare_settings(settings, extra) and write the report to --out (rank 0)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    init_distributed("cpu")
+    mindspeed_hf.enable()
+    report = compare_settings(settings, extra)
+    if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()
 

@@ -53,13 +53,20 @@ def test_mindspeed_arguments_selective_and_full(tmp_path):
     _assert_bitwise(expected, full)
 
 
-def test_plain_trainer_with_config_file(tmp_path, monkeypatch):
+def configured_plain(tmp_path, monkeypatch, memory_yaml: str) -> tuple[dict[str, torch.Tensor], Trainer]:
+    """(weights a plain Trainer trains without mindspeed_hf memory settings, a plain Trainer configured by a
+    MINDSPEED_HF_CONFIG file holding `memory: <memory_yaml>`)."""
     mindspeed_hf.enable()
     expected = _trained(_plain(tmp_path, "none"))
     config = tmp_path / "memory.yaml"
-    config.write_text("memory: {recompute: selective, recompute_modules: [self_attn, norms], recompute_layers: 2}\n")
+    config.write_text(f"memory: {memory_yaml}\n")
     monkeypatch.setenv("MINDSPEED_HF_CONFIG", str(config))
-    trainer = _plain(tmp_path, "selective")
+    return expected, _plain(tmp_path, "configured")
+
+
+def test_plain_trainer_with_config_file(tmp_path, monkeypatch):
+    expected, trainer = configured_plain(
+        tmp_path, monkeypatch, "{recompute: selective, recompute_modules: [self_attn, norms], recompute_layers: 2}")
     layers = decoder_layers(trainer.model)
     assert [is_wrapped(layer.self_attn) for layer in layers] == [True, False]
     assert is_wrapped(layers[0].input_layernorm) and not is_wrapped(layers[0].mlp)
