@@ -75,22 +75,29 @@ class ParallelConfig:
     dp_replicate: int = field(default=1, metadata=_help("data-parallel replicas (HSDP outer dimension)"))
     dp_shard: int = field(default=-1, metadata=_help(
         "FSDP2 shard group size; -1 takes what the other sizes leave of the world size"))
-    cp: int = field(default=1, metadata=_help("context-parallel size (not available yet: must be 1)"))
+    cp: int = field(default=1, metadata=_help(
+        "context-parallel size: each sequence is split across cp ranks (which also shard the parameters with "
+        "dp_shard); cp = ring size x cp_ulysses"))
     ep: int = field(default=1, metadata=_help(
         "expert-parallel size for MoE models with fused experts (transformers >= 5): each expert lives on one of ep "
         "ranks, borrowed from dp_shard * cp (must divide it and the number of experts)"))
+    cp_ulysses: int = field(default=1, metadata=_help(
+        "Ulysses (all-to-all heads <-> sequence) ranks inside the cp group; the rest (cp / cp_ulysses) form the "
+        "ring; must divide cp and the attention heads"))
+    cp_zigzag: bool = field(default=True, metadata=_help(
+        "context parallelism cuts each ring rank's share into two chunks (head and tail) that balance causal work"))
     reshard_after_forward: bool = field(default=True, metadata=_help(
         "FSDP2 frees the gathered parameters of a layer after its forward"))
     cpu_offload: bool = field(default=False, metadata=_help("FSDP2 keeps sharded parameters in host memory"))
     prefetch: int = field(default=1, metadata=_help("FSDP2 layers whose parameters are gathered ahead"))
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "cp", "ep"):
+        for name in ("dp_replicate", "cp", "cp_ulysses", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
-        if self.cp > 1:
-            raise ValueError(f"parallel.cp={self.cp}: context parallelism is not available in this release of "
-                             "mindspeed_hf; valid choices: parallel.cp=1")
+        if self.cp % self.cp_ulysses:
+            raise ValueError(f"parallel.cp_ulysses={self.cp_ulysses} must divide parallel.cp={self.cp}; valid "
+                             f"choices: {[u for u in range(1, self.cp + 1) if self.cp % u == 0]}")
         if self.ep > 1:
             check_ep_release(self.ep)
         if self.dp_shard == 0 or self.dp_shard < -1:

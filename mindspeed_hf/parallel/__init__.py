@@ -10,7 +10,10 @@ Small functions, usable from a plain training loop or from the Trainer integrati
     model = apply_fsdp(model, fsdp_mesh(mesh, dims), param_dtype=torch.bfloat16)
 
 or load straight into shards: ``from_pretrained_sharded(path, fsdp_mesh(mesh, dims))``.
-``parallelize(model, dims, config)`` applies the parallel and memory steps in order (parallelize.py).
+``parallelize(model, dims, config)`` applies the parallel and memory steps in order (parallelize.py); expert
+parallelism (``parallel.ep``) is its first step (expert.py), and ``clip_grad_norm_`` clips gradients that live on
+the dense and the expert meshes together. Context parallelism (``parallel.cp``) is the cp step: the model's attention
+runs over the cp group, and each batch goes through ``split_cp_batch(batch, context_of(model))``.
 Checkpoints: ``save_hf_consolidated`` (HF directory / PEFT adapter), ``save_sharded`` /
 ``load_sharded`` (DCP, atomic ``COMPLETE`` marker) and ``latest_complete_checkpoint``.
 """
@@ -31,11 +34,19 @@ from .checkpoint import (
     save_sharded,
     unmark,
 )
+from .context import context_of, context_parallel_from, split_cp_batch
 from .dims import (
     ParallelDims,
     expert_mesh,
     fsdp_mesh,
     init_distributed,
+)
+from .expert import (
+    apply_expert_parallel,
+    check_expert_parallel,
+    clip_grad_norm_,
+    find_fused_experts,
+    remove_expert_parallel,
 )
 from .fsdp import (
     apply_fsdp,
@@ -59,7 +70,15 @@ from .parallelize import ParallelizeOptions, parallelize, register_step_override
 __all__ = [
     "COMPLETE_MARKER",
     "ParallelDims",
+    "apply_expert_parallel",
     "apply_fsdp",
+    "check_expert_parallel",
+    "clip_grad_norm_",
+    "context_of",
+    "context_parallel_from",
+    "split_cp_batch",
+    "find_fused_experts",
+    "remove_expert_parallel",
     "build_meta_model",
     "defer_gradient_reduction",
     "capture_rng_state",

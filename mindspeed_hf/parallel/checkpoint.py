@@ -68,6 +68,12 @@ def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def _distributed_by_transformers(model: nn.Module) -> bool:
+    """A model transformers sharded itself (``from_pretrained(..., distributed_config=...)``, e.g. its own expert
+    parallelism, adopted by parallelize): transformers gathers and writes it."""
+    return getattr(getattr(model, "config", None), "distributed_config", None) is not None and not _is_peft(model)
+
+
 def save_hf_consolidated(
     model: nn.Module,
     output_dir: str,
@@ -81,6 +87,10 @@ def save_hf_consolidated(
     rank 0, None elsewhere.
     """
     rank = _rank() if rank is None else rank
+    if _distributed_by_transformers(model):  # its save_pretrained is collective: gathers on all, rank 0 writes
+        model.save_pretrained(output_dir, **save_pretrained_kwargs)
+        _barrier()
+        return None
     reshard_model(model)
     peft = _is_peft(model)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=peft)

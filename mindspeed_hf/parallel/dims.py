@@ -7,8 +7,12 @@ group exists, and builds one named :class:`~torch.distributed.device_mesh.Device
 * real axes, outermost first: ``"dp_replicate"``, ``"dp_shard"``, ``"cp"``;
 * flattened views: ``"dp"`` (replicate x shard: the batch is split over these ranks),
   ``"dp_shard_cp"`` (shard x cp: what FSDP shards parameters over) and ``"dp_cp"``;
-* when ``ep > 1`` an expert mesh ``("efsdp", "ep")`` carved out of ``"dp_shard_cp"``
-  (:func:`expert_mesh`).
+* the cp axis cut into ``"cp_ring"`` x ``"cp_ulysses"`` (Ulysses innermost: cp rank = ring rank * cp_ulysses +
+  Ulysses rank, the layout parallel/context/split.py cuts sequences for);
+* when ``ep > 1`` the expert mesh ``("dp_replicate", "efsdp", "ep")`` over the same ranks, ep innermost, with
+  ``efsdp = dp_shard * cp / ep`` (:func:`expert_mesh`), and its views ``"ep"`` (the ranks that split the experts
+  and exchange tokens) and ``"expert_fsdp"`` (what FSDP shards the experts over: ``efsdp``, or
+  ``(dp_replicate, efsdp)`` under HSDP).
 
 Every axis name always exists (an axis of size 1 costs nothing and keeps the callers' code free of
 ``if`` ladders); :func:`fsdp_mesh` keeps axes of size 1 out of the way by returning a 1-D mesh unless
@@ -142,6 +146,7 @@ class ParallelDims:
         dp_replicate: replicas of the sharded model (HSDP's outer axis); 1 = plain FSDP.
         dp_shard: ranks a parameter is sharded over; -1 = whatever is left of ``world_size``.
         cp: context-parallel ranks (a sequence is split over them; they also shard parameters).
+        cp_ulysses: the Ulysses ranks inside cp (innermost); the ring spans ``cp / cp_ulysses`` of them.
         ep: expert-parallel ranks, borrowed from ``dp_shard * cp`` (must divide it).
         world_size: number of processes.
 
@@ -155,6 +160,7 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
     world_size: int = field(default=-1)
+    cp_ulysses: int = 1
     _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -167,7 +173,7 @@ class ParallelDims:
                 f"world_size must be a positive integer (or -1 inside an initialised process "
                 f"group), got world_size={ws!r}"
             )
-        for name in ("dp_replicate", "cp", "ep"):
+        for name in ("dp_replicate", "cp", "cp_ulysses", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(
@@ -178,6 +184,9 @@ class ParallelDims:
             raise ValueError(
                 f"dp_shard must be -1 (fill in) or an integer >= 1, got dp_shard={self.dp_shard!r}"
             )
+        if self.cp % self.cp_ulysses:
+            raise ValueError(f"cp_ulysses={self.cp_ulysses} must divide cp={self.cp}; valid choices for "
+                             f"cp_ulysses: {_divisors(self.cp)}")
         if self.dp_shard == -1:
             rest = self.dp_replicate * self.cp
             if ws % rest:
@@ -205,6 +214,11 @@ class ParallelDims:
     def fsdp_size(self) -> int:
         """Ranks a parameter is sharded over: ``dp_shard * cp``."""
         return self.dp_shard * self.cp
+
+    @property
+    def efsdp_size(self) -> int:
+        """Ranks an expert's parameters are sharded over: ``dp_shard * cp / ep``."""
+        return self.fsdp_size // self.ep
 
     @property
     def dp_size(self) -> int:
@@ -262,21 +276,28 @@ class ParallelDims:
         meshes["dp"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
         meshes["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         meshes["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        context = meshes["cp"]._unflatten(0, (self.cp // self.cp_ulysses, self.cp_ulysses), ("cp_ring", "cp_ulysses"))
+        meshes["cp_ring"], meshes["cp_ulysses"] = context["cp_ring"], context["cp_ulysses"]
         meshes["hsdp"] = meshes["dp_cp"]._unflatten(
             0, (self.dp_replicate, self.fsdp_size), ("dp_replicate", "dp_shard_cp")
         )
         if self.ep_enabled:
-            meshes["expert"] = meshes["dp_shard_cp"]._unflatten(
-                0, (self.fsdp_size // self.ep, self.ep), ("efsdp", "ep")
+            expert = meshes["dp_cp"]._unflatten(
+                0, (self.dp_replicate, self.efsdp_size, self.ep), ("dp_replicate", "efsdp", "ep")
             )
+            meshes["expert"] = expert
+            meshes["ep"] = expert["ep"]
+            meshes["efsdp"] = expert["efsdp"]
+            meshes["expert_fsdp"] = expert["dp_replicate", "efsdp"] if self.dp_replicate > 1 else expert["efsdp"]
         self._world_mesh = mesh
         self._meshes = meshes
         return mesh
 
     def get_mesh(self, name: str) -> DeviceMesh:
         """A named view of the built mesh: an axis (``dp_replicate``, ``dp_shard``, ``cp``), a
-        flattened view (``dp``, ``dp_shard_cp``, ``dp_cp``), ``hsdp`` (2-D replicate x shard) or
-        ``expert`` (2-D ``efsdp x ep``, only with ``ep > 1``)."""
+        flattened view (``dp``, ``dp_shard_cp``, ``dp_cp``), ``hsdp`` (2-D replicate x shard), the cp group's
+        ``cp_ring`` and ``cp_ulysses`` (Ulysses innermost), and only with
+        ``ep > 1``: ``expert`` (3-D ``dp_replicate x efsdp x ep``), ``ep``, ``efsdp`` and ``expert_fsdp``."""
         self.world_mesh  # noqa: B018 - raises if the mesh was not built
         try:
             return self._meshes[name]
@@ -303,7 +324,7 @@ def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
 
 
 def expert_mesh(dims: ParallelDims) -> DeviceMesh | None:
-    """The 2-D ``(efsdp, ep)`` mesh inside ``dp_shard_cp`` (None unless ``ep > 1``)."""
+    """The 3-D ``(dp_replicate, efsdp, ep)`` expert mesh over the world (None unless ``ep > 1``)."""
     return dims.get_mesh("expert") if dims.ep_enabled else None
 
 

@@ -161,6 +161,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     prefetch: int = 1,
     layer_classes: Iterable[str] | None = None,
+    pre_shard: Iterable[tuple[nn.Module, DeviceMesh]] = (),
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 and return it.
 
@@ -181,6 +182,8 @@ def apply_fsdp(
         prefetch: how many layers ahead to all-gather in forward and backward (0: FSDP's default).
         layer_classes: class names sharded one group each (accelerate's transformer_layer_cls_to_wrap);
             default: the model's ``_no_split_modules``.
+        pre_shard: (module, mesh) pairs sharded first, each on its own mesh with the same policies (expert
+            parallelism's experts on ``expert_fsdp``); the groups above then leave their parameters alone.
     """
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp: mesh must be 1-D (FSDP) or 2-D (HSDP), got ndim={mesh.ndim}")
@@ -203,6 +206,8 @@ def apply_fsdp(
         "offload_policy": offload,
     }
 
+    for module, own_mesh in pre_shard:
+        fully_shard(module, reshard_after_forward=reshard_after_forward, **{**common, "mesh": own_mesh})
     parts = get_fsdp_parts(model, layer_classes)
     layers: list[nn.Module] = parts["layers"]  # type: ignore[assignment]
     if not layers:

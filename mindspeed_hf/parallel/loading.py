@@ -26,6 +26,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .fsdp import apply_fsdp, unwrap_hf_model
 
+try:  # FSDP's placement for a dim a DTensor already shards (expert parallelism's experts)
+    from torch.distributed.tensor.placement_types import _StridedShard as _STRIDED
+except ImportError:  # pragma: no cover - older torch
+    _STRIDED = None
+
 __all__ = [
     "build_meta_model",
     "from_pretrained_sharded",
@@ -73,6 +78,11 @@ def local_shard_slices(
     coord = mesh.get_coordinate()
     if coord is None:
         raise ValueError("local_shard_slices: this rank is not part of the mesh")
+    if any(type(p) is _STRIDED for p in placements):  # FSDP over expert parallelism's Shard(0): one contiguous block
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+        return tuple(slice(o, o + n) for o, n in zip(offset, shape))
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Replicate):
             continue
@@ -303,6 +313,7 @@ def from_pretrained_sharded(
     model_cls: Any = None,
     fsdp_kwargs: dict[str, Any] | None = None,
     strict: bool = True,
+    dims: Any = None,
 ) -> nn.Module:
     """Build an FSDP2-sharded model from an HF checkpoint directory without a full copy per rank.
 
@@ -314,6 +325,8 @@ def from_pretrained_sharded(
         config: a config to use instead of ``path``'s.
         model_cls: ``AutoModelForCausalLM`` by default.
         fsdp_kwargs: keyword arguments for :func:`~mindspeed_hf.parallel.apply_fsdp`.
+        dims: the built ParallelDims; with ``ep > 1`` the experts are split over the ``ep`` mesh first (as
+            parallelize's ep step does) and each rank reads only its experts' rows.
     """
     if config is None:
         from transformers import AutoConfig
@@ -326,7 +339,13 @@ def from_pretrained_sharded(
     if device is None:
         device = _mesh_device(mesh)
     model = build_meta_model(config, dtype=dtype, model_cls=model_cls)
-    apply_fsdp(model, mesh, **(fsdp_kwargs or {}))
+    fsdp_kwargs = dict(fsdp_kwargs or {})
+    if dims is not None and dims.ep_enabled:
+        from .expert import apply_expert_parallel, expert_fsdp_groups
+
+        apply_expert_parallel(model, dims.get_mesh("ep"))
+        fsdp_kwargs["pre_shard"] = expert_fsdp_groups(model, dims.get_mesh("expert_fsdp"))
+    apply_fsdp(model, mesh, **fsdp_kwargs)
     materialize_meta_model(model, device)
     load_sharded_safetensors(model, path, strict=strict)
     model.eval()  # like from_pretrained

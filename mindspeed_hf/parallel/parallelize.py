@@ -2,12 +2,17 @@
 
 The steps run in this order, each a small function `step(model, dims, config, options) -> model`:
 
-    1. recompute   memory.recompute*: non-reentrant activation checkpointing, full or selective
-    2. fsdp        parallel.*: FSDP2 / HSDP over the mesh `dims` built (each decoder layer, the embeddings, the
-                   final norm + lm_head, the root)
+    1. ep          parallel.ep > 1: each fused experts module keeps E/ep experts (DTensor Shard(0) on the ep mesh)
+                   and exchanges tokens with the other ep ranks (parallel/expert.py)
+       cp          parallel.cp > 1: attention runs over the cp group (ring / Ulysses / hybrid,
+                   parallel/context/model.py); each batch then goes through split_cp_batch
+    2. recompute   memory.recompute*: non-reentrant activation checkpointing, full or selective
+       offload     memory.offload_*: asynchronous activation offload of the chosen decoder layers (memory/offload.py)
+    3. fsdp        parallel.*: FSDP2 / HSDP over the mesh `dims` built (the experts on expert_fsdp first, then
+                   each decoder layer, the embeddings, the final norm + lm_head, the root)
 
-Expert parallelism and context parallelism will come before recompute (they change what a layer computes), and
-activation offload right after it (it wraps what recompute leaves); FSDP2 is always last, since it shards the
+Context parallelism comes before recompute too (it changes what a layer computes); activation offload
+comes right after recompute (it wraps what recompute leaves); FSDP2 is always last, since it shards the
 parameters the earlier steps placed. A model family can replace a step with its own function
 (`register_step_override("qwen3_moe", "fsdp")`), for layouts the generic step does not know.
 
@@ -26,8 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import MindSpeedConfig
-from ..memory import apply_recompute_config
+from ..memory import apply_offload_config, apply_recompute_config
+from .context.model import apply_context_parallel, context_parallel_from
 from .dims import ParallelDims, fsdp_mesh
+from .expert import adopt_native_ep, apply_expert_parallel, expert_fsdp_groups, native_expert_parallel
 from .fsdp import apply_fsdp, unwrap_hf_model
 
 __all__ = ["ParallelizeOptions", "STEPS", "parallelize", "register_step_override"]
@@ -47,11 +54,46 @@ class ParallelizeOptions:
 Step = Callable[[nn.Module, "ParallelDims | None", MindSpeedConfig, ParallelizeOptions], nn.Module]
 
 
+def apply_ep(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
+             options: ParallelizeOptions) -> nn.Module:
+    """Step 1: expert parallelism, when parallel.ep > 1: experts sliced on dim 0 over the ep mesh, the experts
+    forward replaced by the token exchange (checked first: fused experts, ep dividing their number). A model
+    transformers already split with its own DistributedConfig(ep_size=...) is adopted as loaded (its EP and FSDP2),
+    not sharded twice; refused in one line where the two settings cannot combine (expert.adopt_native_ep)."""
+    if dims is None or adopt_native_ep(unwrap_hf_model(model), dims, config.parallel.ep):
+        return model
+    if not dims.ep_enabled:
+        return model
+    apply_expert_parallel(unwrap_hf_model(model), dims.get_mesh("ep"))
+    return model
+
+
+def apply_cp(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
+             options: ParallelizeOptions) -> nn.Module:
+    """Context parallelism, when dims.cp > 1: the model's attention runs `context_attention` over the cp group
+    (ring over cp_ring, Ulysses over cp_ulysses, zigzag per parallel.cp_zigzag), checked first (heads divisible
+    by the Ulysses size, no softcapping or attention dropout). Batches must then be split with split_cp_batch."""
+    if dims is None or not dims.cp_enabled:
+        return model
+    hf_model = unwrap_hf_model(model)
+    pad = getattr(getattr(hf_model.config, "get_text_config", lambda: hf_model.config)(), "pad_token_id", None)
+    apply_context_parallel(hf_model, context_parallel_from(dims, config.parallel.cp_zigzag, pad or 0))
+    return model
+
+
 def apply_recompute(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
                     options: ParallelizeOptions) -> nn.Module:
-    """Step 1: recompute, when memory.recompute is on: full (whole decoder layers) or selective (the parts of each
+    """Step 2: recompute, when memory.recompute is on: full (whole decoder layers) or selective (the parts of each
     layer memory.recompute_modules names), in the layers memory.recompute_layers picks."""
     apply_recompute_config(model, config.memory)
+    return model
+
+
+def apply_offload(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
+                  options: ParallelizeOptions) -> nn.Module:
+    """Activation offload, when memory.offload_activations is on (after recompute, whose checkpoints it wraps;
+    before FSDP2, which subclasses the same layers): the layers memory.offload_layers picks, except the last."""
+    apply_offload_config(model, config.memory)
     return model
 
 
@@ -80,8 +122,10 @@ def _broadcast_from_rank0(model: nn.Module, full: dict[str, torch.Tensor] | None
 
 def apply_fsdp2(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
                 options: ParallelizeOptions) -> nn.Module:
-    """Step 2: FSDP2 / HSDP over `dims`' mesh (collective), when there is more than one rank to shard over."""
+    """Step 3: FSDP2 / HSDP over `dims`' mesh (collective), when there is more than one rank to shard over."""
     if dims is None or dims.dp_replicate * dims.fsdp_size == 1:
+        return model
+    if native_expert_parallel(unwrap_hf_model(model)):  # adopted by apply_ep: transformers' FSDP2 is in place
         return model
     device = _device(dims)
     if options.param_dtype is not None:  # sharded master weights stay fp32; FSDP casts them for compute
@@ -93,7 +137,8 @@ def apply_fsdp2(model: nn.Module, dims: ParallelDims | None, config: MindSpeedCo
     p = config.parallel
     apply_fsdp(model, fsdp_mesh(dims.world_mesh, dims), param_dtype=options.param_dtype, reduce_dtype=torch.float32,
                reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload, prefetch=p.prefetch,
-               layer_classes=options.layer_classes)
+               layer_classes=options.layer_classes,
+               pre_shard=expert_fsdp_groups(model, dims.get_mesh("expert_fsdp")) if dims.ep_enabled else ())
     if sync:
         _broadcast_from_rank0(model, full, device)
     # transformers' own FSDP2 marker: generate() keeps the ranks in step (synced_gpus), and Trainer's
@@ -108,7 +153,8 @@ def apply_fsdp2(model: nn.Module, dims: ParallelDims | None, config: MindSpeedCo
 
 
 #: The steps, in the order they apply.
-STEPS: tuple[tuple[str, Step], ...] = (("recompute", apply_recompute), ("fsdp", apply_fsdp2))
+STEPS: tuple[tuple[str, Step], ...] = (("ep", apply_ep), ("cp", apply_cp), ("recompute", apply_recompute),
+                                      ("offload", apply_offload), ("fsdp", apply_fsdp2))
 _OVERRIDES: dict[tuple[str, str], Step] = {}
 
 

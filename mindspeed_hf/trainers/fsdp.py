@@ -32,7 +32,7 @@ from torch import nn
 from .. import parallel
 from ..device import detect_device_type
 from ..parallel.checkpoint import COMPLETE_MARKER
-from . import checkpoints, seams
+from . import checkpoints, context, seams
 from .fsdp_plan import FsdpPlan, resolve_plan, world_size_from
 
 __all__ = ["FsdpPlan", "FsdpState", "build_dims", "dispatch", "resolve_plan"]
@@ -64,7 +64,8 @@ def build_dims(trainer: Any) -> parallel.ParallelDims:
     plan: FsdpPlan = trainer._mindspeed_fsdp_plan
     device_type = detect_device_type()
     parallel.init_distributed(device_type)
-    dims = parallel.ParallelDims(plan.dp_replicate, plan.dp_shard, plan.cp, plan.ep, world_size=dist.get_world_size())
+    dims = parallel.ParallelDims(plan.dp_replicate, plan.dp_shard, plan.cp, plan.ep, world_size=dist.get_world_size(),
+                                 cp_ulysses=plan.cp_ulysses)
     dims.build_mesh(device_type)
     trainer._mindspeed_fsdp = FsdpState(plan, dims, device_type)
     return dims
@@ -74,9 +75,11 @@ def log_sharded(trainer: Any) -> None:
     """After parallelize: say what was built."""
     state: FsdpState = trainer._mindspeed_fsdp
     p = trainer._mindspeed_config.parallel
-    logger.info("mindspeed_hf: FSDP2 on %s (requested by %s): dp_replicate=%d dp_shard=%d, reshard_after_forward=%s,"
+    dims = state.dims
+    ep = f" ep={dims.ep} (efsdp={dims.efsdp_size})" if dims.ep_enabled else ""
+    logger.info("mindspeed_hf: FSDP2 on %s (requested by %s): dp_replicate=%d dp_shard=%d%s, reshard_after_forward=%s,"
                 " cpu_offload=%s, param dtype %s", state.device_type, "; ".join(state.plan.sources),
-                state.dims.dp_replicate, state.dims.dp_shard, p.reshard_after_forward, p.cpu_offload,
+                dims.dp_replicate, dims.dp_shard, ep, p.reshard_after_forward, p.cpu_offload,
                 low_precision(trainer._mindspeed_args) or "as stored")
 
 
@@ -151,6 +154,7 @@ def _create_accelerator(trainer: Any, original: Callable[[], None]) -> None:
         for name, value in saved_args.items():
             setattr(args, name, value)
     trainer.accelerator.prepare_model = _keep_sharded(trainer.accelerator.prepare_model)
+    context.data_over_dp(trainer)  # context parallelism: batches split over dp only
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

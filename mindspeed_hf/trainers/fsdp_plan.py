@@ -39,6 +39,7 @@ class FsdpPlan:
     cpu_ram_efficient_loading: bool
     sources: tuple[str, ...]
     layer_classes: tuple[str, ...] | None = None  # None: the model's _no_split_modules
+    cp_ulysses: int = 1  # Ulysses ranks inside cp (the rest form the ring)
 
 
 # ---------------------------------------------------------------------------------------------- the request
@@ -143,7 +144,8 @@ def _sizes(resolved: ResolvedConfig, world: int) -> parallel.ParallelDims:
     """The mesh sizes, checked against the world size; the error names where each size came from."""
     p = resolved.config.parallel
     try:
-        return parallel.ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size=world)
+        return parallel.ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size=world,
+                                     cp_ulysses=p.cp_ulysses)
     except ValueError as err:
         given = ", ".join(resolved.describe(path) for path in _SIZE_PATHS if resolved.is_set(path))
         given = given or "the defaults"
@@ -198,4 +200,4 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
     sources = tuple(r["source"] for r in requests) + tuple(dict.fromkeys(sizes_set.values()))
     return FsdpPlan(dims.dp_replicate, dims.dp_shard, dims.cp, dims.ep, p.reshard_after_forward, p.cpu_offload,
                     p.prefetch, bool(hf and hf["cpu_ram_efficient_loading"]), sources,
-                    next(iter(stated_classes), None))
+                    next(iter(stated_classes), None), cp_ulysses=dims.cp_ulysses)

@@ -24,6 +24,7 @@ from ..memory.recompute import absorb_hf_checkpointing
 from ..parallel.parallelize import ParallelizeOptions, parallelize
 from . import fsdp, seams
 from .arguments import resolve_for
+from .context import split_inputs
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -160,6 +161,13 @@ class MindSpeedTrainer(Trainer):
         args, kwargs = fsdp.resolve_train_call(self, args, kwargs)
         with liger_guard(self):
             return super().train(*args, **kwargs)
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        """Trainer.compute_loss on this rank's share of the batch under context parallelism (trainers/context.py)."""
+        inputs, num_items_in_batch = split_inputs(model, inputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch, **kwargs)
 
     @property
     def mindspeed_report(self) -> dict[str, Any] | None:

@@ -93,6 +93,16 @@ def _reads_only_the_loss(trainer: Any, model: Any, return_outputs: bool) -> bool
     return isinstance(inner, PreTrainedModel)
 
 
+def _split_for_cp(bound: inspect.BoundArguments) -> None:
+    """Context parallelism: compute_loss gets this rank's share of the batch (trainers/context.py)."""
+    from .context import split_inputs
+
+    args = bound.arguments
+    args["inputs"], num_items = split_inputs(args.get("model"), args["inputs"], args.get("num_items_in_batch"))
+    if num_items is not None:
+        args["num_items_in_batch"] = num_items
+
+
 def _wrap_compute_loss(original: Callable) -> Callable:
     """Trainer.compute_loss inside scope.logits_unread_window when its outputs cannot reach anybody but the loss
     (so `kernels.skip_logits: auto` skips the logits there and nowhere else)."""
@@ -101,12 +111,13 @@ def _wrap_compute_loss(original: Callable) -> Callable:
     @functools.wraps(original)
     def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(self, *args, **kwargs)
+        _split_for_cp(bound)
         if not _reads_only_the_loss(self, bound.arguments.get("model"), bound.arguments.get("return_outputs", False)):
-            return original(self, *args, **kwargs)
+            return original(*bound.args, **bound.kwargs)
         from ..patches import scope
 
         with scope.logits_unread_window():
-            return original(self, *args, **kwargs)
+            return original(*bound.args, **bound.kwargs)
 
     return compute_loss
 

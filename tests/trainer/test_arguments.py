@@ -62,8 +62,8 @@ def test_yaml_and_json_round_trip(tmp_path):
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("mindspeed_cp", 0, "parallel.cp=0 must be >= 1"),
-    ("mindspeed_cp", 2, "parallel.cp=2: context parallelism is not available in this release"),
-    ("mindspeed_ep", 2, "parallel.ep=2: expert parallelism is not available in this release"),
+    ("mindspeed_cp_ulysses", 3, "parallel.cp_ulysses=3 must divide parallel.cp=1"),
+    ("mindspeed_ep", 0, "parallel.ep=0 must be >= 1"),
     ("mindspeed_dp_shard", 0, "parallel.dp_shard=0"),
     ("mindspeed_loss_chunk_size", -1, "loss_chunk_size=-1"),
     ("mindspeed_backend", "tpu", "backend='tpu' is not valid; choose one of auto, torch, npu, cuda"),

@@ -6,17 +6,37 @@
   packed documents) as an autograd function.
 - ulysses.py: the Ulysses all-to-all (heads <-> sequence) and Ulysses attention around any kernel.
 - hybrid.py: `context_attention`, Ulysses inside and ring across (either optional), the one entry for attention.
+- model.py: the HF wiring: the "mindspeed_cp" attention, `split_cp_batch` (a model batch -> this rank's share, with
+  the loss scaling), the checks, and `apply_context_parallel` (parallelize's cp step).
 - blocks.py: one block's attention with its log-sum-exp and its backward, per device (CPU flash kernel, CUDA
   SDPA flash, NPU npu_fusion_attention / npu_fusion_attention_grad), chosen by the kernel registry.
 """
 
 from .blocks import block_backward, block_forward
 from .hybrid import context_attention
+from .model import (
+    CP_ATTENTION,
+    ContextParallel,
+    apply_context_parallel,
+    check_context_parallel,
+    context_of,
+    context_parallel_from,
+    split_cp_batch,
+    valid_tokens,
+)
 from .ring import local_attention, ring_attention
 from .split import gather_sequence, padded_length, segment_ids, shard_indices, shift_labels, split_batch, unshard
 from .ulysses import all_to_all, check_ulysses_heads, heads_to_seq, seq_to_heads, ulysses_attention
 
 __all__ = [
+    "CP_ATTENTION",
+    "ContextParallel",
+    "apply_context_parallel",
+    "check_context_parallel",
+    "context_of",
+    "context_parallel_from",
+    "split_cp_batch",
+    "valid_tokens",
     "all_to_all",
     "block_backward",
     "block_forward",

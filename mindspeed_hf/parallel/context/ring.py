@@ -72,7 +72,7 @@ class _Ring:
         self._recv: list[torch.Tensor] = []
 
     def start(self, tensors: list[torch.Tensor]) -> None:
-        self._recv = [torch.empty_like(t) for t in tensors]
+        self._recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         ops = []
         for tag, (out, inp) in enumerate(zip(tensors, self._recv), start=self.tag_base):
             ops.append(dist.P2POp(dist.isend, out.contiguous(), self.next, self.group, tag))

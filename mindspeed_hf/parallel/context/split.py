@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 IGNORE_INDEX = -100
 PAD_SEGMENT = -1
+MASKED_SEGMENT = -2  # tokens an attention mask hides (left padding): only each other see them
 
 
 def _check_sizes(cp: int, ulysses: int) -> None:
@@ -99,17 +100,24 @@ def split_batch(
     pad_token_id: int = 0,
     ignore_index: int = IGNORE_INDEX,
     with_segments: bool | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's share of a global [B, S] batch: `input_ids`, `shift_labels` (when labels are given),
-    global `position_ids`, and `segment_ids` when the rows are packed (or `with_segments=True`); None otherwise.
-    The tail padding is invisible to real tokens under causal attention; pass `with_segments=True` for
-    bidirectional attention (the padding then gets its own segment)."""
+    global `position_ids`, and `segment_ids` when the rows are packed (or `with_segments=True`, or a padding
+    `attention_mask` [B, S] is given: its masked tokens then form a segment of their own, which no real token
+    sees); None otherwise. The tail padding is invisible to real tokens under causal attention; pass
+    `with_segments=True` for bidirectional attention (the padding then gets its own segment)."""
     batch, seq = input_ids.shape
     length = padded_length(seq, cp, zigzag)
     if labels is not None and tuple(labels.shape) != (batch, seq):
         raise ValueError(f"labels must be [batch, seq]={[batch, seq]}, got {list(labels.shape)}")
     positions = _positions(position_ids, batch, seq, length, input_ids.device)
     segments = segment_ids(positions[:, :seq])
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (batch, seq):
+            raise ValueError(f"attention_mask must be [batch, seq]={[batch, seq]}, got {list(attention_mask.shape)}")
+        segments = segments.masked_fill(attention_mask.to(segments.device) == 0, MASKED_SEGMENT)
+        with_segments = True
     if with_segments is None:
         with_segments = bool((segments[:, -1] > 0).any())
     idx = shard_indices(length, cp, rank, zigzag, ulysses).to(input_ids.device)

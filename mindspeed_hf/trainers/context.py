@@ -1,0 +1,59 @@
+"""Context parallelism inside Trainer: the data split over dp only, each batch split across cp in compute_loss.
+
+With `parallel.cp > 1` the trainer's model went through parallelize's cp step (its attention runs over the cp
+group). Two hooks then make Trainer's own loop train it:
+
+- the accelerator's data loaders are prepared over accelerate's view of our world mesh (axes dp_replicate,
+  dp_shard, cp: accelerate's `prepare_data_loader` hands every rank of a cp group the same batches, different ones
+  across dp);
+- `compute_loss` gets this rank's share of each batch (`split_cp_batch`, labels shifted globally). Trainer's
+  `num_items_in_batch`, gathered over every process, counts each dp batch cp times; divided by cp it is the global
+  count, and Trainer's own loss scaling (x the process count) with FSDP2's average over dp_shard x cp then gives
+  one process's gradient, and the logged mean loss one process's loss. Without a count, split_cp_batch counts the
+  rank's dp batch itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..parallel.context import context_of, split_cp_batch
+
+__all__ = ["data_over_dp", "split_inputs"]
+
+
+def split_inputs(model: Any, inputs: dict[str, Any], num_items_in_batch: Any) -> tuple[dict[str, Any], Any]:
+    """(inputs, num_items_in_batch) for Trainer.compute_loss: this rank's share under context parallelism (once:
+    already split inputs pass), else as given."""
+    ctx = context_of(model)
+    if ctx is None or "segment_ids" in inputs:
+        return inputs, num_items_in_batch
+    local = split_cp_batch(inputs, ctx, num_items_in_batch=None if num_items_in_batch is None
+                           else float(num_items_in_batch))
+    if num_items_in_batch is None:  # Trainer does not scale: the model divides by the count split_cp_batch made
+        return local, None
+    return local, local.pop("num_items_in_batch", None)
+
+
+def data_over_dp(trainer: Any) -> None:
+    """Prepare the trainer's data loaders over dp only when its model runs context parallel (called once the
+    accelerator exists; the mesh is looked up when a loader is prepared, after the model was sharded)."""
+    plan = getattr(trainer, "_mindspeed_fsdp_plan", None)
+    if plan is None or plan.cp == 1:
+        return
+    accelerator = trainer.accelerator
+    original = getattr(accelerator, "_prepare_device_mesh", None)
+    if not callable(original):  # the one accelerate internal this needs (accelerate 1.10 - 1.15 have it)
+        import accelerate
+
+        raise RuntimeError(f"parallel.cp={plan.cp}: accelerate {accelerate.__version__} has no "
+                           "Accelerator._prepare_device_mesh, which splits the data over dp only; valid choices: "
+                           "parallel.cp=1, or accelerate 1.10 - 1.15")
+
+    def prepare_device_mesh():
+        state = getattr(trainer, "_mindspeed_fsdp", None)
+        if state is not None and state.dims.cp_enabled:
+            return state.dims.world_mesh
+        return original()
+
+    accelerator._prepare_device_mesh = prepare_device_mesh
