@@ -20,6 +20,10 @@ mean over all world ranks exactly like a dense one (FSDP averages those over dp_
 needs no PREMUL_SUM reduction (gloo and HCCL have none) and keeps one rule for the loss (Trainer's
 ``num_items_in_batch`` scaling) for dense and expert parameters alike.
 
+A model transformers already split (``from_pretrained(..., distributed_config=DistributedConfig(ep_size=N))``) is
+adopted as loaded when ``parallel.ep`` is unset (:func:`adopt_native_ep`): its dispatch, expert sharding and FSDP2
+stay, nothing is sharded twice; both set, or another data layout, is a one-line error naming both settings.
+
 Parameters then live on two meshes: :func:`clip_grad_norm_` computes the norm per mesh and combines them (torch's
 ``clip_grad_norm_`` cannot mix meshes); transformers 5's Trainer does the same by itself (``_mixed_mesh_grad_norm``),
 and groups the optimizer's tensors by mesh.

@@ -2,7 +2,8 @@
 
 Every case trains a tiny MoE model with expert parallelism and, on rank 0, the same model unsharded in plain
 Hugging Face on the whole global batch (one process), and reports per-step losses, grad norms (before clipping,
-clipped at MAX_NORM) and the final parameters of both. Scenarios: `two` (2 ranks), `four` (4 ranks).
+clipped at MAX_NORM) and the final parameters of both (the loops: expert_harness.py). Scenarios: `two` (2 ranks),
+`four` (4 ranks), `trainer` / `trainer_native` (plain Trainer under torchrun), `trainer_ref` (one process).
 """
 
 from __future__ import annotations
@@ -12,126 +13,28 @@ import copy
 import json
 import logging
 import sys
-import types
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_models
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "npu_standin"))  # the torch_npu stand-in
+from expert_harness import (  # noqa: E402
+    EXPERT_LORA,
+    GLOBAL_BATCH,
+    batch,
+    build,
+    compare,
+    ep_run,
+    full_params,
+    make_opt,
+    micro_loss,
+)
 from tiny_models import tiny_model  # noqa: E402
 
 from mindspeed_hf.config import MemoryConfig, MindSpeedConfig, ParallelConfig  # noqa: E402
 from mindspeed_hf.parallel import ParallelDims, init_distributed, parallelize  # noqa: E402
-from mindspeed_hf.parallel.expert import clip_grad_norm_  # noqa: E402
-
-GLOBAL_BATCH, SEQ, VOCAB, LR, MAX_NORM = 4, 12, 128, 1e-3, 0.5
-
-
-def batch(step: int, micro: int = 0):
-    g = torch.Generator().manual_seed(1000 + 10 * step + micro)
-    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
-    labels = ids.clone()
-    labels[0, 8:] = -100  # uneven valid-token counts across ranks
-    labels[GLOBAL_BATCH - 1, :5] = -100
-    return ids, labels
-
-
-def biased_router(bias: torch.Tensor):
-    """A softmax-top-k router (qwen3_moe / mixtral) whose logits get `bias` before the top-k: forces imbalance.
-    Installed the same on the reference and the sharded model."""
-
-    def forward(self, hidden_states):
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        logits = F.linear(hidden_states, self.weight) + bias
-        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
-        top_value, top_index = torch.topk(probs, self.top_k, dim=-1)
-        if getattr(self, "norm_topk_prob", True):
-            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
-        return logits, top_value.to(logits.dtype), top_index
-
-    return forward
-
-
-#: LoRA on the fused expert weights themselves (PEFT target_parameters) and on an attention projection
-EXPERT_LORA = {"target_modules": ["q_proj"], "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
-
-
-def build(family: str, bias: list[float] | None = None, lora: dict | None = None, **overrides):
-    model = tiny_model(family, **overrides)
-    if bias is not None:
-        for module in model.modules():
-            if type(module).__name__.endswith("TopKRouter"):
-                module.forward = types.MethodType(biased_router(torch.tensor(bias)), module)
-    if lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **lora))
-        with torch.no_grad():  # non-zero B so the adapter matters from step 0
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(std=0.05)
-    return model
-
-
-def make_opt(model):
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-
-
-def full_params(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
-
-
-def micro_loss(model, step, micro, sl, accum):
-    ids, labels = batch(step, micro)
-    n = sum((batch(step, m)[1][:, 1:] != -100).sum() for m in range(accum))  # tokens of the whole step
-    return model(input_ids=ids[sl], labels=labels[sl], num_items_in_batch=n).loss
-
-
-def full_grads(model) -> dict[str, torch.Tensor]:
-    """Gradients as one process would hold them (collective for DTensors)."""
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-            for n, p in model.named_parameters() if p.grad is not None}
-
-
-def ref_run(model, steps, accum):
-    opt, losses, norms, grads = make_opt(model), [], [], {}
-    for step in range(steps):
-        total = 0.0
-        for micro in range(accum):
-            loss = micro_loss(model, step, micro, slice(None), accum)
-            loss.backward()
-            total += loss.item()
-        grads = grads or full_grads(model)
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, norms, grads
-
-
-def ep_run(model, dims, steps, accum):
-    opt, losses, norms, grads = make_opt(model), [], [], {}
-    per = GLOBAL_BATCH // dims.dp_size
-    rank = dist.get_rank()
-    sl = slice(rank * per, (rank + 1) * per)
-    for step in range(steps):
-        total = torch.zeros(())
-        for micro in range(accum):
-            model.set_requires_gradient_sync(micro == accum - 1)
-            loss = micro_loss(model, step, micro, sl, accum)
-            (loss * dims.dp_size).backward()  # FSDP averages gradients over the data ranks
-            total += loss.detach()
-        dist.all_reduce(total)
-        grads = grads or full_grads(model)
-        norms.append(clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(total.item())
-    return losses, norms, grads
 
 
 def case(family, world, *, ep=2, dp_replicate=1, steps=3, accum=1, bias=None, recompute=False, lora=None,
@@ -153,21 +56,6 @@ def case(family, world, *, ep=2, dp_replicate=1, steps=3, accum=1, bias=None, re
     out["local_rows"] = _rows_per_rank(model, dims)
     if ref is not None:
         out.update(compare(ref, grads, got, steps, accum))
-    return out
-
-
-def compare(ref, grads, got, steps, accum) -> dict:
-    """Train `ref` in one process on the global batch; its losses, grad norms, gradients and final parameters
-    against the sharded run's `grads` / `got`."""
-    out = {}
-    out["ref_losses"], out["ref_norms"], ref_grads = ref_run(ref, steps, accum)
-    out["grad_max_diff"] = max((grads[k] - g).abs().max().item() for k, g in ref_grads.items())
-    out["same_grads"] = sorted(grads) == sorted(ref_grads)
-    want = {n: p.detach() for n, p in ref.named_parameters()}
-    diffs = {k: (got[k] - want[k]).abs().max().item() for k in want}
-    out["param_max_diff"] = max(diffs.values())
-    out["param_max_diff_at"] = max(diffs, key=diffs.get)
-    out["same_names"] = sorted(got) == sorted(want)
     return out
 
 
