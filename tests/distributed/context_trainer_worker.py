@@ -1,9 +1,10 @@
 """Worker for tests/distributed/test_context_parallel.py's Trainer runs: a plain transformers Trainer script, unchanged,
 with context parallelism from MINDSPEED_HF_CONFIG (torchrun, gloo, CPU, fp32), and its single-process reference.
 
-  reference (one process, plain HF, no mindspeed_hf): Trainer on the global batch (GLOBAL rows per step).
+  reference (one process, plain HF, no mindspeed_hf): Trainer on the global batch (GLOBAL rows per step, GLOBAL / ga
+            per micro-batch).
   cp        (torchrun; sizes from MINDSPEED_HF_CONFIG): the same script after `import mindspeed_hf`; each rank's
-            loader batch is GLOBAL / dp rows (the data is split over dp only, the sequence across cp).
+            micro-batch is GLOBAL / (dp x ga) rows (the data is split over dp only, the sequence across cp).
 Rank 0 writes the logged losses and grad norms and the final parameters (gathered) to --out (.json / .pt).
 """
 
@@ -14,31 +15,9 @@ import json
 import sys
 
 import torch
+from trainer_worker import collate, dataset  # uneven lengths, masked prompts, right padding
 
-STEPS, GLOBAL, SEQ, N = 3, 4, 23, 48
-
-
-def dataset(n: int = N, seed: int = 1) -> list[dict[str, list[int]]]:
-    """Uneven lengths, masked prompts: different numbers of loss tokens on every rank and row."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(n):
-        length = 8 + int(torch.randint(0, SEQ - 8, (1,), generator=g))
-        ids = torch.randint(1, 128, (length,), generator=g).tolist()
-        prompt = i % 5
-        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
-    return rows
-
-
-def collate(batch):
-    length = max(len(x["input_ids"]) for x in batch)
-    ids = torch.zeros(len(batch), length, dtype=torch.long)
-    labels = torch.full((len(batch), length), -100)
-    mask = torch.zeros(len(batch), length, dtype=torch.long)
-    for i, x in enumerate(batch):
-        n = len(x["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(x["input_ids"]), torch.tensor(x["labels"]), 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+STEPS, GLOBAL = 3, 8
 
 
 def tiny_model():
@@ -47,7 +26,8 @@ def tiny_model():
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=128, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        use_cache=False))  # with a cache, transformers 4.57's sdpa does not see the packed documents
 
 
 def main() -> None:
@@ -56,6 +36,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--ga", type=int, default=1)
+    parser.add_argument("--packed", action="store_true", help="DataCollatorWithFlattening (padding-free packing)")
     opts = parser.parse_args()
     if opts.scenario == "cp":
         import mindspeed_hf  # noqa: F401 - the drop-in: plain Trainer below is wired
@@ -76,7 +57,14 @@ def main() -> None:
                              report_to="none", disable_tqdm=True, seed=0, save_strategy="no",
                              dataloader_drop_last=True, use_cpu=True)
     record = Record()
-    trainer = Trainer(model=tiny_model(), args=args, train_dataset=dataset(), data_collator=collate, callbacks=[record])
+    if opts.packed:
+        from transformers import DataCollatorWithFlattening
+
+        collator = DataCollatorWithFlattening()
+    else:
+        collator = collate
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=dataset(), data_collator=collator,
+                      callbacks=[record])
     trainer.train()
     from torch.distributed.tensor import DTensor
 

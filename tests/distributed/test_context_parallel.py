@@ -6,7 +6,7 @@ cp=4: ring, ring with zigzag, Ulysses, Ulysses with fewer kv heads than its size
 packed batches (documents crossing the splits), LoRA, gradient accumulation 2 (num_items_in_batch given), full and
 selective recompute; every step's loss and every gradient equal HF's within 1e-5.
 A plain Trainer script with cp from MINDSPEED_HF_CONFIG (context_trainer_worker.py: dp_shard 2 x cp 2 with
-gradient accumulation 2, kernels on) equals the single-process plain-HF Trainer.
+DataCollatorWithFlattening, gradient accumulation 2, kernels on) equals the single-process plain-HF Trainer.
 Single-process tests: the settings and their one-line errors, the split batch (global label shift, loss scaling,
 left padding as its own segment), and the refusals (heads, softcapping, dropout, unsplit batches).
 """
@@ -143,17 +143,19 @@ def trainer_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trainer_reference(trainer_root) -> dict:
-    return _trainer_run(trainer_root, "reference", "reference")
+    return _trainer_run(trainer_root, "reference", "reference", "--packed", "--ga", "2")
 
 
 @pytest.mark.parametrize(("name", "config", "args", "cp", "dp"), [
-    # dp_shard 2 x cp 2 (ring, zigzag) with gradient accumulation 2: the loader splits over dp only
-    ("dp2_cp2_ga2", "parallel: {cp: 2}\n", ("cp", "--dp", "2", "--ga", "2"), 2, 2),
+    # dp_shard 2 x cp 2 (ring, zigzag), DataCollatorWithFlattening (packed rows, documents crossing the cp split),
+    # gradient accumulation 2: the loader splits over dp only
+    ("dp2_cp2_packed_ga2", "parallel: {cp: 2}\n", ("cp", "--dp", "2", "--ga", "2", "--packed"), 2, 2),
 ])
 def test_plain_trainer_with_cp_from_the_config_equals_one_process(trainer_root, trainer_reference, name, config,
                                                                   args, cp, dp):
     """A plain Trainer script, kernels on, MINDSPEED_HF_CONFIG sets cp: logged losses, grad norms and the final
-    parameters after 3 clipped SGD steps equal the single-process plain-HF Trainer on the same global batches."""
+    parameters after 3 clipped SGD steps equal the single-process plain-HF Trainer on the same global batches
+    (padding-free packed rows: each micro-batch is one row of several documents)."""
     run = _trainer_run(trainer_root, name, *args, config=config)
     assert (run["attention"], run["cp"], run["dp"]) == ("mindspeed_cp", cp, dp)
     for key in ("losses", "grad_norms"):

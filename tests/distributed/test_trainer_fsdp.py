@@ -256,7 +256,7 @@ def test_plan_follows_the_precedence(tmp_path):
     ("accelerate_product", r"PARALLELISM_CONFIG_DP_SHARD_SIZE=2 \(accelerate launch environment\).*world_size=4"),
     ("explicit_disagree", r"reshard_after_forward=False but training arguments \(mindspeed_\*\) sets True"),
     ("tp", r"tp size 2 \(tensor parallel\) is not supported"),
-    ("cp", r"parallel\.cp=2: context parallelism is not available"),
+    ("cp", r"parallel\.cp=3.*dp_replicate \* cp = 1 \* 3 = 3 does not divide world_size=4"),
 ])
 def test_contradictions_fail_naming_the_settings(case, match, tmp_path):
     from mindspeed_hf.trainers import MindSpeedTrainingArguments
@@ -276,7 +276,7 @@ def test_contradictions_fail_naming_the_settings(case, match, tmp_path):
         elif case == "tp":
             _plan(env={**env, "PARALLELISM_CONFIG_TP_SIZE": "2"})
         else:
-            _plan(world=4, cp=2)
+            _plan(world=4, cp=3)
 
 
 def test_mindspeed_trainer_fails_before_any_work(tmp_path):
