@@ -33,7 +33,7 @@ def test_explicit_attention_is_kept_and_the_default_becomes_ours(family):
     report = mindspeed_hf.apply_to_model(model)  # what a trainer does with the model it is given
     assert model.config._attn_implementation == choice
     assert report["kernels"]["attention"] == 0 and report["kept"] == {"attention": f"{choice} (requested explicitly)"}
-    assert report["kernels"]["rms_norm"] > 0  # the other kernels still apply
+    assert any(n for op, n in report["kernels"].items() if op != "attention")  # the other kernels still apply
 
 
 def test_switching_back_to_ours_and_off_again():
