@@ -3,6 +3,7 @@ command line, one failure message with the output's tail."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,3 +37,11 @@ def run_or_fail(cmd: list[str], env: dict[str, str], what: str, timeout: int = 5
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{what} failed, rc={proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+
+
+def run_worker(worker: Path, out: Path, *args: str, nproc: int = 2, env: dict[str, str] | None = None) -> dict:
+    """`worker *args --out OUT` under torchrun with `nproc` ranks (0: one plain process); returns the JSON it wrote."""
+    cmd = [str(worker), *args, "--out", str(out)]
+    launch = torchrun(*cmd, nproc=nproc) if nproc else [sys.executable, *cmd]
+    run_or_fail(launch, child_env() if env is None else env, f"{worker.name} {' '.join(args)} (nproc={nproc})")
+    return json.loads(out.read_text())

@@ -11,14 +11,13 @@ including rows that see no key, against plain SDPA, and the one-line errors.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from child_runs import child_env, run_or_fail, torchrun
+from child_runs import run_worker
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from mindspeed_hf.ops import registry
@@ -43,9 +42,7 @@ HYBRID_CASES = ["hybrid_causal", "hybrid_zigzag_gqa", "hybrid_packed", "hybrid_w
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict:
     """One 4-rank launch: cp=2 on both rank pairs at once, then cp=4 (and the hybrid 2 x 2)."""
-    out = tmp_path_factory.mktemp("cp") / "context.json"
-    run_or_fail(torchrun(str(WORKER), "--out", str(out), nproc=4), child_env(), "context_worker (nproc=4)")
-    return json.loads(out.read_text())
+    return run_worker(WORKER, tmp_path_factory.mktemp("cp") / "context.json", nproc=4)
 
 
 @pytest.fixture(params=["cp2", "cp2_second_pair", "cp4"])

@@ -13,13 +13,11 @@ model loaded with transformers' own EP (adopted), beside their single-process pl
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from child_runs import child_env, run_or_fail, torchrun
+from child_runs import child_env, run_worker
 
 from mindspeed_hf.config import EP_MIN_TRANSFORMERS, ParallelConfig
 from mindspeed_hf.versions import installed
@@ -33,11 +31,8 @@ needs_fused = pytest.mark.skipif(OLD_TRANSFORMERS, reason=f"expert parallelism n
 
 
 def _launch(scenario: str, root: Path, nproc: int = 2, **env: str) -> dict:
-    out = root / f"{scenario}.json"
-    cmd = [str(WORKER), scenario, "--out", str(out)]
-    launch = [sys.executable, *cmd] if scenario == "trainer_ref" else torchrun(*cmd, nproc=nproc)
-    run_or_fail(launch, child_env(**env), f"expert_worker {scenario} (nproc={nproc})")
-    return json.loads(out.read_text())
+    nproc = 0 if scenario == "trainer_ref" else nproc
+    return run_worker(WORKER, root / f"{scenario}.json", scenario, nproc=nproc, env=child_env(**env))
 
 
 @pytest.fixture(scope="module")

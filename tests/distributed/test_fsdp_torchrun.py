@@ -6,12 +6,11 @@ group resuming from main's step-2 checkpoint) and `hsdp` (4 ranks).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
-from child_runs import child_env, run_or_fail, torchrun
+from child_runs import run_worker
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"
@@ -19,10 +18,7 @@ TOL = 1e-5
 
 
 def _torchrun(nproc: int, scenario: str, root: Path) -> dict:
-    out = root / f"{scenario}.json"
-    run_or_fail(torchrun(str(WORKER), scenario, "--root", str(root), "--out", str(out), nproc=nproc), child_env(),
-                f"torchrun {scenario} (nproc={nproc})")
-    return json.loads(out.read_text())
+    return run_worker(WORKER, root / f"{scenario}.json", scenario, "--root", str(root), nproc=nproc)
 
 
 @pytest.fixture(scope="module")

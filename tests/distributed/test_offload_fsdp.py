@@ -5,11 +5,10 @@ left after backward."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from child_runs import child_env, run_or_fail, torchrun
+from child_runs import run_worker
 
 WORKER = Path(__file__).resolve().parent / "offload_worker.py"
 CASES = [f"{kind}/{mode}" for kind in ("plain", "lora") for mode in ("offload", "offload+selective", "offload+full")]
@@ -17,9 +16,7 @@ CASES = [f"{kind}/{mode}" for kind in ("plain", "lora") for mode in ("offload", 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("offload_fsdp") / "report.json"
-    run_or_fail(torchrun(str(WORKER), "--out", str(out), nproc=2), child_env(), "torchrun offload_worker (nproc=2)")
-    return json.loads(out.read_text())
+    return run_worker(WORKER, tmp_path_factory.mktemp("offload_fsdp") / "report.json")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -4,20 +4,17 @@ shards bitwise equal to the same sharded model without recompute, and match one 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from child_runs import child_env, run_or_fail, torchrun
+from child_runs import run_worker
 
 WORKER = Path(__file__).resolve().parent / "recompute_worker.py"
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("recompute_fsdp") / "report.json"
-    run_or_fail(torchrun(str(WORKER), "--out", str(out), nproc=2), child_env(), "torchrun recompute_worker (nproc=2)")
-    return json.loads(out.read_text())
+    return run_worker(WORKER, tmp_path_factory.mktemp("recompute_fsdp") / "report.json")
 
 
 @pytest.mark.parametrize("case", ["plain/selective", "plain/selective_all_parts", "plain/full", "lora/selective",

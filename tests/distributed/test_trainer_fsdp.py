@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from child_runs import FOREIGN, REPO, child_env, run_or_fail, torchrun
+from child_runs import FOREIGN, REPO, child_env, run_or_fail, run_worker, torchrun
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "trainer_worker.py"
@@ -38,12 +38,9 @@ def accelerate_fsdp2_env(tmp: Path) -> dict[str, str]:
 
 
 def _worker(scenario: str, root: Path, **extra: str) -> dict:
-    out = root / f"{scenario}.json"
-    cmd = [str(WORKER), scenario, "--root", str(root), "--out", str(out)]
-    nproc = 4 if scenario == "hsdp" else 2
-    launch = [sys.executable, *cmd] if scenario == "reference" else torchrun(*cmd, nproc=nproc)
-    run_or_fail(launch, child_env(**extra), scenario)
-    return json.loads(out.read_text())
+    nproc = 0 if scenario == "reference" else 4 if scenario == "hsdp" else 2
+    return run_worker(WORKER, root / f"{scenario}.json", scenario, "--root", str(root), nproc=nproc,
+                      env=child_env(**extra))
 
 
 @pytest.fixture(scope="module")
