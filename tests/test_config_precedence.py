@@ -4,20 +4,27 @@ launch environment - with one precedence: explicit arguments > MINDSPEED_HF_* > 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import yaml
 from transformers import HfArgumentParser
 
-from mindspeed_hf.config import MindSpeedConfig, resolve, settings
+from mindspeed_hf.config import MindSpeedConfig, check_ep_release, resolve, settings
 from mindspeed_hf.trainers import MindSpeedTrainingArguments
 
-# A valid non-default value per setting (cp / ep have none in this release: > 1 is refused, tested elsewhere).
+# A valid non-default value per setting that is valid on its own (cp_ulysses needs a cp it divides: tested with
+# the context-parallel settings).
 VALUES = {"backend": "torch", "kernels.loss_chunk_size": 96, "kernels.skip_logits": "always",
-          "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
-          "parallel.prefetch": 3}
+          "parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.cp": 2,
+          "parallel.prefetch": 3, "memory.offload_min_bytes": 4096}
+with contextlib.suppress(ValueError):  # transformers 4.57 refuses ep > 1 (test_expert_parallel checks how)
+    check_ep_release(2)
+    VALUES["parallel.ep"] = 2
 # The accelerate launch variables that mean one of our settings, as `accelerate launch` exports an FSDP2 config.
 ACCELERATE = {"parallel.dp_replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
               "parallel.dp_shard": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+              "parallel.cp": "PARALLELISM_CONFIG_CP_SIZE",
               "parallel.reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
               "parallel.cpu_offload": "FSDP_OFFLOAD_PARAMS",
               "memory.recompute": "FSDP_ACTIVATION_CHECKPOINTING"}

@@ -157,11 +157,12 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
     """Whether (and how) this trainer's model is sharded with FSDP2; None leaves Trainer exactly as it is.
 
     FSDP is asked for by TrainingArguments `fsdp` (version 2), by `accelerate launch` (ACCELERATE_USE_FSDP with
-    FSDP_VERSION 2), or by a parallel size set in our own settings (arguments, MINDSPEED_HF_*, YAML); accelerate's
-    PARALLELISM_CONFIG_* sizes then shape the mesh too. Sizes and knobs are the resolved config's
-    (mindspeed_hf.config gives the precedence). Raises ValueError (naming the settings) for FSDP version 1
-    together with our sizes, different versions or layer classes from two sources, tensor/sequence parallel
-    sizes, and sizes that do not tile the world.
+    FSDP_VERSION 2), or by a parallel size set in our own settings (arguments, MINDSPEED_HF_*, YAML, or
+    TrainingArguments' parallelism_config); accelerate's PARALLELISM_CONFIG_* sizes then shape the mesh too, and
+    its PARALLELISM_CONFIG_CP_SIZE > 1 asks for it alone (our context parallelism replaces accelerate's). Sizes
+    and knobs are the resolved config's (mindspeed_hf.config gives the precedence). Raises ValueError (naming the
+    settings) for FSDP version 1 together with our sizes, different versions or layer classes from two sources,
+    tensor/sequence parallel sizes, and sizes that do not tile the world.
     """
     env = os.environ if env is None else env
     world = world_size_from(env) if world_size is None else world_size
@@ -174,8 +175,10 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
                          f"{requests[1]['source']} (FSDP_VERSION) for version {requests[1]['version']}")
     hf = requests[0] if requests else None
     sizes_set = {path: resolved.sources[path] for path in _SIZE_PATHS if resolved.is_set(path)}
-    # accelerate's own sizes configure our mesh once FSDP is asked for; alone they are accelerate's business
-    ours = {path: source for path, source in sizes_set.items() if source != ACCELERATE_SOURCE}
+    # accelerate's own sizes configure our mesh once FSDP is asked for; alone they are accelerate's business, but
+    # for cp > 1: accelerate's context parallel (torch's, SDPA only) would bypass our attention, so ours runs it
+    ours = {path: source for path, source in sizes_set.items()
+            if source != ACCELERATE_SOURCE or (path == "parallel.cp" and resolved.config.parallel.cp > 1)}
     if hf and hf["version"] != 2:
         if ours:
             raise ValueError(f"{hf['source']} asks for FSDP version {hf['version']}, which cannot be combined with "

@@ -1,10 +1,13 @@
 """Context parallelism wired into HF models (parallelize's cp step + split_cp_batch) against plain HF, one process.
 
 One torchrun launch of context_parallel_worker.py (gloo, 4 ranks, fp32) trains tiny llama / qwen3 / mistral
-(sliding window) a few steps under cp=2 with dp_shard=2 (FSDP2 over dp_shard x cp, the data split over dp) and
-cp=4: ring, ring with zigzag, Ulysses, Ulysses with fewer kv heads than its size, the hybrid 2 x 2, on padded and
-packed batches (documents crossing the splits), LoRA, gradient accumulation 2 (num_items_in_batch given), full and
-selective recompute; every step's loss and every gradient equal HF's within 1e-5.
+(sliding window) / qwen3_moe a few steps under cp=2 with dp_shard=2 (FSDP2 over dp_shard x cp, the data split over
+dp) and cp=4: ring, ring with zigzag, Ulysses, Ulysses with fewer kv heads than its size, the hybrid 2 x 2, on padded
+and packed batches (documents crossing the splits), LoRA, gradient accumulation 2 (num_items_in_batch given), full
+and selective recompute, cp 2 x ep 2 on qwen3_moe, and the NPU path (stand-in torch_npu, fused-op calls counted on
+every rank); every step's loss and every gradient equal HF's within 1e-5. With the router's aux loss on, cp trains
+HF's loss with the aux term per cp slice, averaged over the cp ranks (HF's own load_balancing_loss_func on each
+slice's router logits): equal within 1e-5 too.
 A plain Trainer script with cp from MINDSPEED_HF_CONFIG (context_trainer_worker.py: dp_shard 2 x cp 2 with
 DataCollatorWithFlattening, gradient accumulation 2, kernels on) equals the single-process plain-HF Trainer.
 Single-process tests: the settings and their one-line errors, the split batch (global label shift, loss scaling,
@@ -22,10 +25,11 @@ import torch
 from child_runs import child_env, run_or_fail, torchrun
 from tiny_models import tiny_model
 
-from mindspeed_hf.config import ParallelConfig
+from mindspeed_hf.config import EP_MIN_TRANSFORMERS, ParallelConfig
 from mindspeed_hf.parallel import ParallelDims
 from mindspeed_hf.parallel.context import ContextParallel, check_context_parallel, split_cp_batch
 from mindspeed_hf.parallel.context.model import cp_attention_forward
+from mindspeed_hf.versions import installed
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "context_parallel_worker.py"
@@ -35,8 +39,11 @@ CASES = [
     "llama_ring2_padded", "llama_ring2_zigzag_packed", "qwen3_ring2_zigzag_padded", "qwen3_ulysses2_packed",
     "mistral_window_ring2_zigzag_packed", "mistral_window_ulysses2_padded", "llama_hybrid2x2_zigzag_packed",
     "qwen3_ulysses4_gqa_padded", "qwen3_ring4_contig_packed", "llama_ring2_lora_accum2_full_recompute",
-    "qwen3_hybrid2x2_accum2_selective_recompute",
+    "qwen3_hybrid2x2_accum2_selective_recompute", "qwen3_moe_ring2_zigzag_packed", "llama_npu_ring2_zigzag_packed",
 ]
+# cp x ep (transformers >= EP_MIN_TRANSFORMERS: fused experts); the router's aux loss on, per cp slice (README)
+EP_CASES = ["qwen3_moe_ring2_ep2_padded", "qwen3_moe_ulysses2_ep2_packed", "qwen3_moe_aux_per_slice_ring2_ep2_full"]
+EP_READY = installed("transformers").major >= int(EP_MIN_TRANSFORMERS.split(".")[0])
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +54,18 @@ def report(tmp_path_factory) -> dict:
 
 
 def test_losses_and_gradients_equal_one_process(report):
-    assert sorted(report) == sorted(CASES)
+    assert sorted(report) == sorted(CASES + (EP_CASES if EP_READY else []))
     bad = {name: diffs for name, diffs in report.items() if not (diffs["loss"] <= TOL and diffs["grad"] <= TOL)}
     assert not bad, bad
+
+
+def test_npu_path_runs_the_fused_ops_on_every_rank(report):
+    """MINDSPEED_HF_BACKEND=npu (stand-in): the ring's blocks ran npu_fusion_attention forward (softmax_max /
+    softmax_sum taken as the lse) and npu_fusion_attention_grad backward on each of the 4 ranks."""
+    calls = report["llama_npu_ring2_zigzag_packed"]["npu_calls"]
+    assert len(calls) == 4
+    for rank in calls:
+        assert rank.get("npu_fusion_attention", 0) > 0 and rank.get("npu_fusion_attention_grad", 0) > 0, calls
 
 
 # ---------------------------------------------------------------------------------------- settings and errors
@@ -119,6 +135,44 @@ def test_attention_refuses_an_unsplit_batch():
     module._mindspeed_cp = _ctx()
     with pytest.raises(ValueError, match="parallel.cp=2: the model got a batch that was not split"):
         cp_attention_forward(module, q, q, q, None, position_ids=None)
+
+
+# ------------------------------------------------------------------------------- accelerate's cp settings
+
+
+def _cp_plan(args=None, env: dict | None = None, world: int = 4):
+    from mindspeed_hf.config import resolve
+    from mindspeed_hf.trainers.arguments import hf_fsdp_layer
+    from mindspeed_hf.trainers.fsdp import resolve_plan
+
+    env = env or {}
+    resolved = resolve([hf_fsdp_layer(args)] if args is not None else [], env=env)
+    return resolved, resolve_plan(args, resolved, env=env, world_size=world)
+
+
+def test_accelerate_cp_size_maps_to_parallel_cp(tmp_path):
+    """PARALLELISM_CONFIG_CP_SIZE (accelerate launch, with or without its FSDP2 switches) and TrainingArguments'
+    parallelism_config.cp_size become parallel.cp, and the Trainer plan builds the mesh dp_shard 2 x cp 2 on 4."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import TrainingArguments
+
+    sizes = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"}
+    fsdp2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    for env in (sizes, {**sizes, **fsdp2}):
+        resolved, plan = _cp_plan(env=env)
+        assert resolved.config.parallel.cp == 2 and resolved.describe("parallel.cp").startswith(
+            "PARALLELISM_CONFIG_CP_SIZE=2 (accelerate")
+        assert (plan.cp, plan.dp_shard) == (2, 2)  # dp_shard fills the world
+    assert _cp_plan(env={**sizes, "PARALLELISM_CONFIG_CP_SIZE": "1"})[1] is None  # cp 1 alone: accelerate's
+    assert _cp_plan(env={"PARALLELISM_CONFIG_CP_SIZE": "2"})[1] is None  # accelerate would not read it either
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2))
+    resolved, plan = _cp_plan(args)
+    assert resolved.describe("parallel.cp") == ("parallelism_config.cp_size=2 "
+                                                "(TrainingArguments (fsdp_config / parallelism_config))")
+    assert (plan.cp, plan.dp_shard) == (2, 2)
+    with pytest.raises(ValueError, match=r"parallelism_config.cp_size=2 .*must equal world_size=3"):
+        _cp_plan(args, world=3)
 
 
 # ------------------------------------------------------------------------------------------ plain Trainer
