@@ -48,7 +48,8 @@ STEPS, LR = 2, 0.5
 PACKED_ROWS = ((5, 7, 3, 6), (9, 4, 8), (2, 11, 8), (21,))  # 21 tokens each: documents cross every split
 
 # name: model type, model overrides, cp, cp_ulysses, zigzag, batch kind, extras (lora, accum: micro-batches,
-# recompute: memory.recompute, ep: parallel.ep, aux: the per-slice router aux loss reference, npu: the NPU backend)
+# recompute: memory.recompute, ep: parallel.ep, dp_replicate: HSDP, aux: the per-slice router aux loss reference,
+# npu: the NPU backend)
 CASES = {
     "llama_ring2_padded": ("llama", {}, 2, 1, False, "padded"),
     "llama_ring2_zigzag_packed": ("llama", {}, 2, 1, True, "packed"),
@@ -63,6 +64,8 @@ CASES = {
                                                {"lora": True, "accum": 2, "recompute": True}),
     "qwen3_hybrid2x2_accum2_selective_recompute": ("qwen3", {}, 4, 2, True, "padded",
                                                    {"accum": 2, "recompute": "selective"}),
+    # HSDP x cp on 4 ranks: dp_replicate 2, FSDP2 over dp_shard 1 x cp 2
+    "llama_hsdp2_ring2_zigzag_packed": ("llama", {}, 2, 1, True, "packed", {"dp_replicate": 2}),
     # MoE (output_router_logits off: the aux loss is per slice under cp, see the README)
     "qwen3_moe_ring2_zigzag_packed": ("qwen3_moe", {}, 2, 1, True, "packed"),
     # cp 2 x ep 2 on 4 ranks: efsdp = dp_shard * cp / ep = 2; the experts' 1/ep gradient scale and cp's loss
@@ -194,14 +197,15 @@ def run_case(name: str, spec) -> dict[str, float]:
     extra = extra[0] if extra else {}
     accum = extra.get("accum", 1)
     world = dist.get_world_size()
-    ep = extra.get("ep", 1)
-    dims = ParallelDims(dp_shard=-1, cp=cp, cp_ulysses=ulysses, ep=ep, world_size=world)
+    ep, replicate = extra.get("ep", 1), extra.get("dp_replicate", 1)
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=-1, cp=cp, cp_ulysses=ulysses, ep=ep, world_size=world)
     dims.build_mesh("cpu")
     dp, dp_rank = dims.dp_size, dims.get_mesh("dp").get_local_rank()
     reference = tiny_model(model_type, **overrides)
     if extra.get("lora"):
         reference = with_lora(reference)
-    config = MindSpeedConfig(parallel=ParallelConfig(cp=cp, cp_ulysses=ulysses, cp_zigzag=zigzag, ep=ep),
+    config = MindSpeedConfig(parallel=ParallelConfig(dp_replicate=replicate, cp=cp, cp_ulysses=ulysses,
+                                                     cp_zigzag=zigzag, ep=ep),
                              memory=MemoryConfig(recompute=extra.get("recompute", False)))
     model = parallelize(copy.deepcopy(reference), dims, config)
     assert unwrap_hf_model(model).config._attn_implementation == "mindspeed_cp"

@@ -39,7 +39,8 @@ CASES = [
     "llama_ring2_padded", "llama_ring2_zigzag_packed", "qwen3_ring2_zigzag_padded", "qwen3_ulysses2_packed",
     "mistral_window_ring2_zigzag_packed", "mistral_window_ulysses2_padded", "llama_hybrid2x2_zigzag_packed",
     "qwen3_ulysses4_gqa_padded", "qwen3_ring4_contig_packed", "llama_ring2_lora_accum2_full_recompute",
-    "qwen3_hybrid2x2_accum2_selective_recompute", "qwen3_moe_ring2_zigzag_packed", "llama_npu_ring2_zigzag_packed",
+    "qwen3_hybrid2x2_accum2_selective_recompute", "llama_hsdp2_ring2_zigzag_packed", "qwen3_moe_ring2_zigzag_packed",
+    "llama_npu_ring2_zigzag_packed",
 ]
 # cp x ep (transformers >= EP_MIN_TRANSFORMERS: fused experts); the router's aux loss on, per cp slice (README)
 EP_CASES = ["qwen3_moe_ring2_ep2_padded", "qwen3_moe_ulysses2_ep2_packed", "qwen3_moe_aux_per_slice_ring2_ep2_full"]
