@@ -71,6 +71,9 @@ SEAMS: tuple[Seam, ...] = (
     # accelerate internals
     Seam("AcceleratorState._reset_state", "accelerate",
          "drop an FSDP plugin an earlier Accelerator left in accelerate's process-wide state"),
+    Seam("Accelerator._prepare_device_mesh", "accelerate",
+         "context parallelism: data loaders prepared over our world mesh, so a cp group shares its batches "
+         "(trainers/context.py)"),
 )
 
 
@@ -112,9 +115,11 @@ def _present(seam: Seam) -> bool:
 
         return seam.name in vars(TrainingArguments)
     owner, attribute = seam.name.split(".")
+    import accelerate
     import accelerate.state
 
-    return callable(getattr(getattr(accelerate.state, owner, None), attribute, None))
+    cls = getattr(accelerate.state, owner, None) or getattr(accelerate, owner, None)
+    return callable(getattr(cls, attribute, None))
 
 
 def missing(version: Version | None = None) -> list[Seam]:
