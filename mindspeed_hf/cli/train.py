@@ -20,6 +20,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..device import detect_device_type, peak_memory_bytes, reset_peak_memory
+from ..value_kinds import parse_flag
 from .data import PaddingCollator, split_rows, tokenize_rows
 from .run_config import ModelSpec, RunConfig, build_training_args
 
@@ -164,9 +165,12 @@ def training_args_for(run: RunConfig, overrides: list[str] | None = None):
 
 def _resume_target(value: str | None) -> str | bool | None:
     """TrainingArguments.resume_from_checkpoint as Trainer.train takes it: "true" -> the newest checkpoint."""
-    if value is None or str(value).lower() in ("", "false", "no"):
+    if value is None or not str(value).strip():
         return None
-    return True if str(value).lower() in ("true", "yes") else str(value)
+    try:
+        return True if parse_flag(value, "--resume_from_checkpoint") else None
+    except ValueError:  # not a true/false word: a path
+        return str(value)
 
 
 def check_parallel_sizes(run: RunConfig, args: Any) -> None:

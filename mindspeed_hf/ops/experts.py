@@ -214,6 +214,4 @@ def experts_mlp(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     out = grouped_mlp(rows[:kept], counts[:experts], gate_up, down, apply_gate, **layout)
     if kept < rows.shape[0]:
         out = torch.cat([out, out.new_zeros(rows.shape[0] - kept, out.shape[1])])
-    routing = Routing(routing.order, routing.counts[:experts], routing.num_tokens, routing.top_k,
-                      routing.sorted_indices)
-    return unpermute(out, routing, top_k_weights)
+    return unpermute(out, routing, top_k_weights)  # (unpermute does not read the counts)

@@ -32,7 +32,7 @@ and groups the optimizer's tensors by mesh.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..ops.experts import grouped_mlp, permute, unpermute
+from ..patches.experts import gate_of
 from .dims import ParallelDims
 
 __all__ = [
@@ -234,19 +235,6 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def _gate_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """grouped_mlp's gate for the module's activation (None: its default, silu)."""
-    act = getattr(module, "act_fn", None)
-    if act is None or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation":
-        return None
-
-    def gate(gate_up: torch.Tensor) -> torch.Tensor:
-        g, up = gate_up.chunk(2, dim=-1)
-        return act(g) * up
-
-    return gate
-
-
 def expert_parallel_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts forward under EP (installed on the instance): dispatch, local experts, combine."""
@@ -265,7 +253,7 @@ def expert_parallel_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     arrived = _AllToAll.apply(rows, out_splits, in_splits, state.group)
     if arrived.shape[0]:
         index = expert_major_index(received)
-        out = grouped_mlp(arrived.index_select(0, index), received.sum(0), gate_up, down, _gate_of(self))
+        out = grouped_mlp(arrived.index_select(0, index), received.sum(0), gate_up, down, gate_of(self))
         out = out.index_select(0, torch.argsort(index))  # back to [source rank][expert] order
     else:  # no token for any local expert: backward must still reach the exchange (its peers wait) and the
         # weights (zero gradients, so FSDP's reduce-scatter runs on every rank)

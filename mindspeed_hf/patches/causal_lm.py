@@ -274,9 +274,7 @@ def laid_out_as(original: Callable) -> Callable:
     def forward(self, *args, **kwargs):
         if len(args) > len(names):
             raise TypeError(f"forward() takes {len(names)} positional arguments after self, got {len(args)}")
-        clashes = set(names[: len(args)]) & set(kwargs)
-        if clashes:
-            raise TypeError(f"forward() got multiple values for argument {sorted(clashes)[0]!r}")
+        # an argument given both ways: Python's own "got multiple values for keyword argument" TypeError
         return causal_lm_forward(self, **dict(zip(names, args)), **kwargs)
 
     return forward

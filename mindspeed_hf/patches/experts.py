@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +46,12 @@ def _default_gate(module: nn.Module) -> bool:
     registry = compat.experts_registry()
     gate = getattr(type(module), "_apply_gate", None)
     return gate is registry.default_apply_gate and isinstance(getattr(module, "act_fn", None), forwards.SILU)
+
+
+def gate_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """grouped_mlp's `apply_gate` for this experts module: None for the plain SiLU gate (the fused swiglu), else
+    the module's own `_apply_gate`."""
+    return None if _default_gate(module) else module._apply_gate
 
 
 def _layout(module: nn.Module) -> dict[str, Any] | None:
@@ -84,8 +91,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     layout = _layout(self)
     if layout is None:
         return compat.experts_registry().default(self, hidden_states, top_k_index, top_k_weights)
-    apply_gate = None if _default_gate(self) else self._apply_gate
-    out = experts_mlp(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, apply_gate,
+    out = experts_mlp(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, gate_of(self),
                       **layout)
     return out.to(hidden_states.dtype)
 

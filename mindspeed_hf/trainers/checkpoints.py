@@ -251,10 +251,13 @@ def _rotation_held(trainer: Any, held: list[Callable[[], None]]) -> Iterator[Non
 
 def _drop_stale_saves(run_dir: str, step: int) -> None:
     """Unmarked checkpoint dirs numbered past `step`: interrupted saves of a killed run that this run has not
-    reached again. Rotation would keep one as "the most recent" in place of the checkpoint just published."""
-    for path in _checkpoints(run_dir):
+    reached again. Rotation would keep one as "the most recent" in place of the checkpoint just published. In a
+    directory written without mindspeed_hf (no marker before `step`) Hugging Face's rule says what finished."""
+    found = _checkpoints(run_dir)
+    marked_run = any(is_complete_checkpoint(p) for p in found if (_step(os.path.basename(p)) or 0) < step)
+    for path in found:
         number = _step(os.path.basename(path))
-        if number is not None and number > step and not is_complete_checkpoint(path):
+        if number is not None and number > step and not _finished(path, marked_run):
             _say(logging.INFO, "mindspeed_hf: removing %s (an interrupted save past step %d)", path, step)
             shutil.rmtree(path, ignore_errors=True)
 

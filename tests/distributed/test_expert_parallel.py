@@ -131,6 +131,8 @@ def _trainer_run(root: Path, scenario: str, yaml: str) -> dict:
 
 
 def _assert_trainer_parity(got: dict, ref: dict) -> None:
+    assert len(got["losses"]) == len(ref["losses"]) and len(got["grad_norms"]) == len(ref["grad_norms"])
+    assert ref["params"] and got["params"].keys() == ref["params"].keys(), sorted(got["params"])
     for a, b in zip(got["losses"] + got["grad_norms"], ref["losses"] + ref["grad_norms"]):
         assert abs(a - b) <= TOL, (got, ref)
     for name, want in ref["params"].items():  # SGD + clipping: the parameters see the gradient scale
