@@ -33,11 +33,15 @@ def test_every_replaced_trainer_method_is_a_listed_seam():
 
 
 def test_no_other_private_trainer_name_is_used():
-    """Every `trainer._name` / `Trainer._name` the package touches is either ours (`_mindspeed_*`) or listed."""
+    """Every `trainer._name` / `Trainer._name` / `accelerator._name` the package touches is either ours
+    (`_mindspeed_*`) or listed."""
     listed = {s.name for s in seams.SEAMS}
     used = set()
     for path in (PACKAGE / "trainers").glob("*.py"):
-        used |= set(re.findall(r"\btrainer\.(_[a-z][a-z_]*)", path.read_text()))
+        text = path.read_text()
+        used |= set(re.findall(r"\b[tT]rainer\.(_[a-z][a-z_]*)", text))
+        used |= {f"Accelerator.{name}" for name in re.findall(r"\baccelerator\.(_[a-z][a-z_]*)", text)}
+    assert used, "the scan found no internal name at all: the pattern is wrong"
     assert {name for name in used if not name.startswith("_mindspeed")} <= listed
 
 
