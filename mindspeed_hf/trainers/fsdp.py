@@ -31,7 +31,6 @@ from torch import nn
 
 from .. import parallel
 from ..device import detect_device_type
-from ..parallel.checkpoint import COMPLETE_MARKER
 from . import checkpoints, context, seams
 from .fsdp_plan import FsdpPlan, resolve_plan, world_size_from
 
@@ -166,15 +165,6 @@ def _plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _checked(path: str) -> str:
-    path = os.path.normpath(str(path))
-    if not parallel.is_complete_checkpoint(path):
-        raise ValueError(f"{path!r} is not a complete mindspeed_hf FSDP checkpoint (no {COMPLETE_MARKER} marker: "
-                         "an interrupted save, or not written under FSDP); resume_from_checkpoint=True picks the "
-                         "newest complete one")
-    return path
-
-
 def _save_model(trainer: Any, original: Callable, output_dir: str | None = None, _internal_call: bool = False) -> None:
     """Inside a checkpoint save: this rank's model shards. Otherwise a directory `from_pretrained` loads (PEFT:
     the adapter only), gathered to rank 0's host memory. Both with the tokenizer and training arguments, as
@@ -207,7 +197,7 @@ def _save_optimizer_and_scheduler(trainer: Any, original: Callable, output_dir: 
 
 def load_model(trainer: Any, path: str) -> None:
     """Model shards from a complete checkpoint into the sharded model (collective)."""
-    parallel.load_model_shards(trainer.model, os.path.join(_checked(path), MODEL_DIR))
+    parallel.load_model_shards(trainer.model, os.path.join(checkpoints.check_checkpoint(path, sharded=True), MODEL_DIR))
 
 
 def _load_optimizer_and_scheduler(trainer: Any, original: Callable, checkpoint: str | None) -> None:
@@ -215,7 +205,7 @@ def _load_optimizer_and_scheduler(trainer: Any, original: Callable, checkpoint: 
 
     if checkpoint is None:
         return
-    path = _checked(checkpoint)
+    path = checkpoints.check_checkpoint(checkpoint, sharded=True)
     if not os.path.isdir(os.path.join(path, OPTIMIZER_DIR)):  # saved with save_only_model: nothing to resume
         return
     parallel.load_optimizer_shards(trainer.model, _plain_optimizer(trainer.optimizer),

@@ -138,13 +138,20 @@ def available(name: str) -> bool:
     return _in_range(seam, _transformers_version()) and _present(seam)
 
 
+def _owner(seam: Seam) -> str:
+    """The package and installed release a seam belongs to, e.g. "accelerate 1.15.0"."""
+    import importlib
+
+    package = "accelerate" if seam.kind == "accelerate" else "transformers"
+    return f"{package} {importlib.import_module(package).__version__}"
+
+
 def check() -> None:
-    """Fail loudly, naming the release, when a seam is gone (called when the Trainer wiring is installed)."""
+    """Fail loudly, naming the package and release, when a seam is gone (called when the Trainer wiring is
+    installed)."""
     gone = missing()
     if gone:
-        import transformers
-
-        names = ", ".join(f"{s.name} ({s.why})" for s in gone)
-        raise RuntimeError(f"mindspeed_hf: transformers {transformers.__version__} no longer has {names}; this "
-                           "release of mindspeed_hf supports transformers 4.57 to 5.x - install one of those, or "
-                           "set MINDSPEED_HF_AUTO=0 to run without the accelerator")
+        names = "; ".join(f"{_owner(s)} no longer has {s.name} ({s.why})" for s in gone)
+        raise RuntimeError(f"mindspeed_hf: {names}; this release of mindspeed_hf supports transformers 4.57 to 5.x "
+                           "and accelerate 1.10 to 1.x - install one of those, or set MINDSPEED_HF_AUTO=0 to run "
+                           "without the accelerator")

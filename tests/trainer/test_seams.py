@@ -109,6 +109,17 @@ def test_a_missing_seam_fails_loudly_at_wiring_time(monkeypatch, restore_wiring)
     assert not wiring.is_installed()
 
 
+def test_a_missing_accelerate_seam_names_accelerate(monkeypatch, restore_wiring):
+    import accelerate
+
+    wiring.uninstall_trainer_wiring()
+    monkeypatch.delattr(accelerate.Accelerator, "_prepare_device_mesh")
+    with pytest.raises(RuntimeError, match=rf"accelerate {re.escape(accelerate.__version__)} no longer has "
+                                           r"Accelerator._prepare_device_mesh "):
+        wiring.install_trainer_wiring()
+    assert not wiring.is_installed()
+
+
 def test_a_seam_newer_than_the_release_is_not_required(monkeypatch):
     """A seam that arrived in transformers 5 is not asked of 4.57, and is asked of 5.x."""
     from transformers import Trainer
