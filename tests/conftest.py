@@ -10,6 +10,9 @@ os.environ.pop("MINDSPEED_HF_BACKEND", None)
 os.environ.pop("MINDSPEED_HF_CONFIG", None)
 STANDIN = Path(__file__).parent / "npu_standin"
 sys.path.insert(0, str(STANDIN))
+# With the stand-in importable, DeepSpeed (imported by accelerate whenever it is installed) would pick its NPU
+# accelerator, which needs a real torch.npu: these CPU tests (and their child runs) use its CPU accelerator.
+os.environ["DS_ACCELERATOR"] = "cpu"
 
 import logging  # noqa: E402
 

@@ -186,14 +186,15 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def expert_major_index(counts: torch.Tensor) -> torch.Tensor:
+def expert_major_index(counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """Rows received as ``[source rank][local expert]`` blocks (``counts`` [ep, E_local]): the row indices that
-    list them ``[local expert][source rank]`` instead, i.e. grouped by local expert."""
+    list them ``[local expert][source rank]`` instead, i.e. grouped by local expert. `total` (the number of rows,
+    when the caller knows it) saves a host read."""
     flat = counts.reshape(-1)
     starts = torch.cumsum(flat, 0) - flat  # block starts, source-major
     em_counts = counts.t().reshape(-1)
     em_starts = starts.view_as(counts).t().reshape(-1)
-    total = int(flat.sum())
+    total = int(flat.sum()) if total is None else total
     within = torch.arange(total, device=counts.device) - torch.repeat_interleave(
         torch.cumsum(em_counts, 0) - em_counts, em_counts, output_size=total)
     return torch.repeat_interleave(em_starts, em_counts, output_size=total) + within
@@ -248,12 +249,13 @@ def expert_parallel_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     received = torch.empty_like(sent)
     dist.all_to_all_single(received, sent, group=state.group)
     received = received.view(state.ep, local_experts)
-    in_splits = sent.view(state.ep, local_experts).sum(1).tolist()
-    out_splits = received.sum(1).tolist()
+    # the block's one host read: rows sent to / received from each rank, and rows per local expert
+    sizes = torch.cat([sent.view(state.ep, local_experts).sum(1), received.sum(1), received.sum(0)]).tolist()
+    in_splits, out_splits, per_expert = sizes[:state.ep], sizes[state.ep:2 * state.ep], sizes[2 * state.ep:]
     arrived = _AllToAll.apply(rows, out_splits, in_splits, state.group)
     if arrived.shape[0]:
-        index = expert_major_index(received)
-        out = grouped_mlp(arrived.index_select(0, index), received.sum(0), gate_up, down, gate_of(self))
+        index = expert_major_index(received, arrived.shape[0])
+        out = grouped_mlp(arrived.index_select(0, index), per_expert, gate_up, down, gate_of(self))
         out = out.index_select(0, torch.argsort(index))  # back to [source rank][expert] order
     else:  # no token for any local expert: backward must still reach the exchange (its peers wait) and the
         # weights (zero gradients, so FSDP's reduce-scatter runs on every rank)
