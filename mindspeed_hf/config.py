@@ -34,6 +34,13 @@ BACKEND_CHOICES = ("auto", "torch", "npu", "cuda")
 
 ENV_PREFIX = "MINDSPEED_HF_"
 
+# What `mindspeed-hf train --recipe NAME` runs when no run YAML is given; the first is the default.
+TRAIN_RECIPES = {
+    "text": "the embedded text run (a tiny Qwen3 model learns list operations), or the run a CONFIG.yaml describes",
+    "vl": "the embedded vision-language run: a tiny Qwen2.5-VL model learns to answer questions about synthetic "
+          "images (the colour and the quadrant of a shape); needs transformers >= 5",
+}
+
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
     return {"help": text, **extra}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -102,3 +103,74 @@ def assert_close_grads(expected: dict, actual: dict, atol: float = 1e-5, rtol: f
     assert expected.keys() == actual.keys(), set(expected) ^ set(actual)
     for name, grad in expected.items():
         torch.testing.assert_close(actual[name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ------------------------------------------------------------------------------------------- Qwen3-TTS (qwen-tts)
+TTS_GROUPS = 16  # codebooks per frame (the 12 Hz tokenizer's)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Module-scoped single-threaded torch: Qwen3-TTS's speaker encoder (small Conv1d) runs ~70x slower with 2 threads
+    on 2 busy cores. Use it with `pytestmark = pytest.mark.usefixtures("one_thread")` after importing it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def qwen_tts_missing() -> str | None:
+    """Why the Qwen3-TTS tests cannot run here (None: they can): qwen-tts needs transformers 4.57."""
+    import importlib.util
+
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return ("Qwen3-TTS runs on transformers 4.57 only (tested in that environment): qwen-tts 0.1.1 pins 4.57.x and "
+                "its transformers-5 forks (qwen-tts-hf, qwen-tts-compat) crash on >= 5.24, whose ModelOutput takes "
+                "cache= instead of past_key_values=")
+    if importlib.util.find_spec("qwen_tts") is None:
+        return ("qwen-tts is not installed: pip install --no-deps qwen-tts==0.1.1 && "
+                "pip install einops librosa soundfile")
+    return None
+
+
+def tiny_tts_config(groups: int = TTS_GROUPS, text_hidden_size: int = 48, hidden: int = 64, layers: int = 2):
+    """A tiny random Qwen3-TTS config (qwen-tts package); text_hidden_size != hidden_size exercises text_projection.
+    Special ids: codec 70-76 (< talker vocab 80), text 120-124 (< text vocab 128); codes < 64 (code-predictor vocab).
+    `hidden` (a multiple of 16, the head size) and `layers` scale the talker; the code predictor is half as wide."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "qwen3_tts"))
+    from qwen_tts_loader import import_qwen_tts
+
+    modeling = import_qwen_tts()
+    talker = dict(
+        vocab_size=80, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=hidden // 16,
+        num_key_value_heads=2, head_dim=16, text_hidden_size=text_hidden_size, text_vocab_size=128,
+        num_code_groups=groups, rope_scaling={"rope_type": "default", "mrope_section": [4, 2, 2], "interleaved": True},
+        codec_pad_id=70, codec_bos_id=71, codec_eos_token_id=72, codec_think_id=73, codec_nothink_id=74,
+        codec_think_bos_id=75, codec_think_eos_id=76, pad_token_id=70, spk_id={}, spk_is_dialect={},
+        codec_language_id={},
+        code_predictor_config=dict(vocab_size=64, hidden_size=hidden // 2, intermediate_size=hidden,
+                                   num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=1,
+                                   head_dim=16, num_code_groups=groups, pad_token_id=0))
+    speaker = dict(enc_dim=hidden, enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16, enc_res2net_scale=4,
+                   enc_se_channels=16)
+    config = modeling.Qwen3TTSConfig(talker_config=talker, speaker_encoder_config=speaker, tts_model_type="base",
+                                     im_start_token_id=120, im_end_token_id=121, tts_pad_token_id=122,
+                                     tts_bos_token_id=123, tts_eos_token_id=124)
+    for sub in (config, config.talker_config, config.talker_config.code_predictor_config):
+        sub._attn_implementation = "sdpa"
+    return config
+
+
+def tiny_tts_model(seed: int = 0, **overrides):
+    """Qwen3TTSForConditionalGeneration from tiny_tts_config, fp32, initialised from `seed`."""
+    import sys
+
+    torch.manual_seed(seed)
+    config = tiny_tts_config(**overrides)
+    return sys.modules["qwen_tts.core.models.modeling_qwen3_tts"].Qwen3TTSForConditionalGeneration(config).float()

@@ -78,6 +78,9 @@ def encode(row: dict[str, str], tokenizer: Any, max_length: int) -> dict[str, li
 def pack(examples: list[dict[str, list[int]]], max_length: int) -> list[dict[str, list[int]]]:
     """Greedy packing into rows of at most max_length tokens. position_ids restart at every example, which is how
     transformers' mask builders recognise packed sequences and keep examples from attending to each other."""
+    if any("pixel_values" in ex for ex in examples):  # 3-D M-RoPE positions restart per image example: not here
+        raise ValueError("data.packing: image examples (pixel_values) cannot be packed by this text packer; "
+                         "set data.packing: false")
     rows: list[dict[str, list[int]]] = []
     current: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
     for ex in examples:

@@ -13,12 +13,15 @@ import os
 import sys
 from collections.abc import Callable
 
+from ..config import TRAIN_RECIPES
+
 USAGE = """mindspeed-hf <command> [options]
 
 commands:
-  train [CONFIG.yaml] [--metrics-file F] [--skip-quality-eval] [--resume_from_checkpoint [PATH]] [--debug]
-        [--<TrainingArguments key> VALUE ...]
-        SFT run from a YAML run description (no CONFIG: the embedded tiny default run); with
+  train [CONFIG.yaml] [--recipe text|vl] [--metrics-file F] [--skip-quality-eval] [--resume_from_checkpoint [PATH]]
+        [--debug] [--<TrainingArguments key> VALUE ...]
+        SFT run from a YAML run description (no CONFIG: the embedded tiny default run; --recipe vl: the embedded
+        vision-language run, a tiny Qwen2.5-VL model on synthetic images, transformers >= 5); with
         --resume_from_checkpoint it continues from PATH, or without PATH from the newest complete checkpoint
         in output_dir. Errors are one line (exit status 2); --debug shows the traceback
   env   device, versions and the kernel each op uses here, as a markdown table
@@ -98,6 +101,31 @@ def _one_line_errors(command: str, debug: bool, work: Callable[[], int]) -> int:
         return 2
 
 
+def _check_recipe(recipe: str | None, config: str | None) -> str:
+    """The `--recipe` value checked (one line naming the valid choices); the VL recipe takes no CONFIG."""
+    from ..config import TRAIN_RECIPES
+
+    name = next(iter(TRAIN_RECIPES)) if recipe is None else recipe
+    if name not in TRAIN_RECIPES:
+        raise ValueError(f"--recipe {recipe!r} is not valid; choose one of {', '.join(TRAIN_RECIPES)}")
+    if name != "text" and config is not None:
+        raise ValueError(f"--recipe {name} builds its own model and data and takes no CONFIG.yaml (got {config!r}); "
+                         "give TrainingArguments overrides instead (--max_steps N, --output_dir DIR)")
+    return name
+
+
+def _train_vl(overrides: list[str], metrics_file: str | None, quality_eval: bool) -> int:
+    """`mindspeed-hf train --recipe vl`: its TrainingArguments first (bad values fail before any model)."""
+    _enable()
+    from .train import check_resume
+    from .vl_recipe import run_vl_training, vl_training_args
+
+    args = vl_training_args(overrides)
+    check_resume(args)
+    run_vl_training(args, metrics_file=metrics_file, quality_eval=quality_eval)
+    return 0
+
+
 def cmd_train(argv: list[str]) -> int:
     """`mindspeed-hf train`."""
     config, rest = _split_config(_resume_flag(argv))
@@ -105,6 +133,7 @@ def cmd_train(argv: list[str]) -> int:
     parser.add_argument("--metrics-file", default=None, help="write the run's metrics as JSON here")
     parser.add_argument("--skip-quality-eval", action="store_true", help="skip the before/after quality check")
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    parser.add_argument("--recipe", default=None, help="which embedded run: " + ", ".join(TRAIN_RECIPES))
     parser.add_argument("-h", "--help", action="store_true")
     own, overrides = parser.parse_known_args(rest)
     if own.help:
@@ -113,6 +142,8 @@ def cmd_train(argv: list[str]) -> int:
     _setup_logging()
 
     def work() -> int:
+        if _check_recipe(own.recipe, config) == "vl":
+            return _train_vl(overrides, own.metrics_file, not own.skip_quality_eval)
         _enable()
         from .run_config import load_run_config
         from .train import check_parallel_sizes, check_resume, run_training, training_args_for

@@ -105,22 +105,31 @@ def build_model(spec: ModelSpec, tokenizer: Any):
     return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[torch.device]:
+    """`model` in eval mode for the block (its training mode restored after); yields the device it is on."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield next(model.parameters()).device
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def exact_match(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, str]], max_new_tokens: int) -> float:
     """Share of prompts whose greedy answer equals the reference completion (whitespace-trimmed)."""
     if not rows:
         return float("nan")
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
     correct = 0
-    for row in rows:  # one at a time: no padding, so nothing about the answer depends on the batch
-        ids = tokenizer(row["prompt"], return_tensors="pt")["input_ids"].to(device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        correct += answer.strip() == row["completion"].strip()
-    model.train(was_training)
+    with evaluating(model) as device:
+        for row in rows:  # one at a time: no padding, so nothing about the answer depends on the batch
+            ids = tokenizer(row["prompt"], return_tensors="pt")["input_ids"].to(device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            correct += answer.strip() == row["completion"].strip()
     return correct / len(rows)
 
 
@@ -137,21 +146,23 @@ def _accelerator_state(result: dict[str, Any]) -> str:
     return "on: " + result["applied"] if result["applied"] != "nothing" else "on, but no kernel applies to this model"
 
 
-def _print_summary(result: dict[str, Any]) -> None:
+def print_summary(result: dict[str, Any]) -> None:
+    """The run's summary: before/after quality, steps, throughput, memory and where the checkpoint is."""
     lines = [f"\nmindspeed-hf train: {result['model_type']} ({result['params'] / 1e6:.2f}M params) on "
              f"{result['device']}, accelerator {_accelerator_state(result)}"]
     if result.get("after"):
-        lines.append(f"{'':16}{'held-out loss':>14}{'exact match':>16}")
+        lines.append(f"{'':16}{'held-out loss':>14}{'exact match':>18}")
         for name in [n for n in ("before", "after") if result.get(n)]:
             q = result[name]
             n = q["num_prompts"]
             match = f"{round(q['exact_match'] * n)}/{n} ({100 * q['exact_match']:.1f}%)"
-            lines.append(f"{name + ' training':16}{q['eval_loss']:>14.4f}{match:>16}")
+            lines.append(f"{name + ' training':16}{q['eval_loss']:>14.4f}{match:>18}")
     tps = result["tokens_per_s"]
     lines.append(f"steps {result['steps']} in {result['train_runtime_s']:.1f} s | tokens/s "
                  f"{tps:,.0f} | peak memory {result['peak_memory_bytes'] / 2**20:,.0f} MiB"
                  if tps else f"steps {result['steps']} in {result['train_runtime_s']:.1f} s")
-    lines.append(f"checkpoint: {result['output_dir']} (AutoModelForCausalLM.from_pretrained loads it)")
+    loader = result.get("loader", "AutoModelForCausalLM")
+    lines.append(f"checkpoint: {result['output_dir']} ({loader}.from_pretrained loads it)")
     print("\n".join(lines), flush=True)
 
 
@@ -243,27 +254,53 @@ def run_training(run: RunConfig, args: Any = None, metrics_file: str | None = No
     after = _quality(trainer, tokenizer, eval_rows, run) if do_quality else None
     trainer.save_model(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
-    report = mindspeed_hf.report(trainer.model)
-    result = {
-        "accelerated": accelerated,
-        "device": device_type,
+    result = collect_result(trainer, output, throughput, started=started, before=before, after=after)
+    print_summary(result)
+    write_metrics(result, metrics_file)
+    return result
+
+
+def collect_result(trainer: Any, output: Any, throughput: ThroughputCallback, started: float,
+                   before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
+    """The run's metrics (what `--metrics-file` writes and `mindspeed-hf bench` reads) after `trainer.train()`
+    returned `output`; `started`: perf_counter() at the start of the run."""
+    import mindspeed_hf
+
+    model = trainer.model
+    report = mindspeed_hf.report(model)
+    return {
+        "accelerated": mindspeed_hf.is_enabled(),
+        "device": throughput.device_type,
         "model_type": model.config.model_type,
         "params": sum(p.numel() for p in model.parameters()),
         "report": report,
-        "applied": ", ".join(f"{op} x{n}" for op, n in report["kernels"].items() if n) or "nothing",
+        "applied": _applied(report),
         "steps": output.global_step,
         "losses": {str(k): v for k, v in sorted(throughput.losses.items())},
         "train_loss": output.training_loss,
         "tokens_per_s": throughput.tokens_per_second(),
-        "peak_memory_bytes": peak_memory_bytes(device_type),
+        "peak_memory_bytes": peak_memory_bytes(throughput.device_type),
         "train_runtime_s": output.metrics.get("train_runtime", 0.0),
         "total_runtime_s": time.perf_counter() - started,
         "before": before,
         "after": after,
-        "output_dir": str(Path(args.output_dir)),
+        "output_dir": str(Path(trainer.args.output_dir)),
     }
-    _print_summary(result)
+
+
+def _applied(report: dict[str, Any]) -> str:
+    """The kernels that ran, as `op xN, ...`; a vision tower's own (report()["vision_kernels"]) after them."""
+    def listed(kernels: dict[str, int]) -> str:
+        return ", ".join(f"{op} x{n}" for op, n in kernels.items() if n)
+
+    text, vision = listed(report["kernels"]), listed(report.get("vision_kernels") or {})
+    if vision:
+        return f"{text or 'no text kernel'}; vision tower: {vision}"
+    return text or "nothing"
+
+
+def write_metrics(result: dict[str, Any], metrics_file: str | None) -> None:
+    """Write the run's metrics as JSON to `metrics_file` (nothing when it is None)."""
     if metrics_file:
         Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
         Path(metrics_file).write_text(json.dumps(result, indent=1, default=str))
-    return result

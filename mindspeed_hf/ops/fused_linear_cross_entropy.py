@@ -13,7 +13,7 @@ chunks of `chunk_size` rows, so at most one [chunk, vocab] block lives at a time
   computes the gradients of hidden and weight chunk by chunk inside the forward (weight grad accumulated in
   fp32), so the backward only scales them;
 - any other module (PEFT LoRA on lm_head, `modules_to_save` wrappers, an FSDP2 module whose weight is a sharded
-  DTensor, tensor-parallel heads, a DeepSpeed ZeRO-3 Linear whose weight is partitioned to numel 0): the module
+  DTensor, tensor-parallel heads, a DeepSpeed ZeRO-3 Linear, partitioned or gathered at the moment): the module
   itself is called on each chunk under `torch.utils.checkpoint`, so its adapters take part and get gradients
   and its hooks (FSDP unshard, TP gather, ZeRO-3 gather) run, while the chunk's logits are recomputed in the
   backward instead of kept;
@@ -246,13 +246,23 @@ def _resolve_head(head: nn.Module | torch.Tensor):
         return ("linear", head, None)
     if isinstance(head, nn.Linear):
         weight, bias = head.weight, head.bias
-        if weight.numel() == 0:
-            if not hasattr(weight, "ds_id"):
-                raise _empty_weight_error("and is not a DeepSpeed ZeRO-3 parameter")
+        if hasattr(weight, "ds_id"):
+            # ZeRO-3, partitioned or gathered right now (prefetched, or never released because its module is not
+            # called): called as a module, so ZeRO's hooks gather it per chunk and release it after
             return ("module", head)
-        if not _is_dtensor(weight) and weight.device.type != "meta":
+        if weight.numel() == 0:
+            raise _empty_weight_error("and is not a DeepSpeed ZeRO-3 parameter")
+        if not _is_dtensor(weight) and weight.device.type != "meta" and _plain_weight(head):
             return ("linear", weight, bias)
     return ("module", head)
+
+
+def _plain_weight(head: nn.Linear) -> bool:
+    """Whether F.linear can use the head's weight as it is: not a quantized one (a bitsandbytes Linear4bit, an
+    nn.Linear subclass, holds a packed [n, 1] uint8 / quant-storage Params4bit there; Linear8bitLt an int8 one),
+    which has to be called as a module."""
+    weight = head.weight
+    return weight.is_floating_point() and tuple(weight.shape) == (head.out_features, head.in_features)
 
 
 def _out_features(module: nn.Module) -> int:

@@ -69,3 +69,23 @@ def apply_rotary_pos_emb(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for HF's `apply_rotary_pos_emb` (same signature), dispatched on q's device."""
     return select("rope", q.device).fn(q, k, cos, sin, unsqueeze_dim)
+
+
+def _rope_one_npu_bsnd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [1, S, N, D] with cos/sin [1, S, 1, D]: npu_rotary_mul's BSND form (B = 1, N = heads)."""
+    d = x.shape[-1]
+    if d % 2 or d >= _NPU_MAX_HEAD_DIM or x.shape[2] >= _NPU_MAX_BATCH_OR_HEADS:
+        return _rope_one_torch(x, cos, sin)
+    return import_torch_npu().npu_rotary_mul(x, cos, sin, rotary_mode="half")
+
+
+def apply_rotary_pos_emb_vision(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for the Qwen-VL vision towers' `apply_rotary_pos_emb_vision`: q/k [S, N, D] (packed patches of all
+    images), cos/sin [S, D]; computed in fp32 and cast back to q's / k's dtype, as HF does. The npu backend runs
+    npu_rotary_mul on the [1, S, N, D] view; cuda and torch the same math unfused (liger's rope wants BNSD)."""
+    rope_one = _rope_one_npu_bsnd if select("rope", q.device).backend == "npu" else _rope_one_torch
+    cos, sin = (t.float()[None, :, None, :] for t in (cos, sin))
+    q_out, k_out = (rope_one(x.float().unsqueeze(0), cos, sin)[0] for x in (q, k))
+    return q_out.to(q.dtype), k_out.to(k.dtype)

@@ -29,6 +29,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from ..patches import quantized
+
 __all__ = [
     "apply_fsdp",
     "defer_gradient_reduction",
@@ -190,6 +192,7 @@ def apply_fsdp(
     if prefetch < 0:
         raise ValueError(f"apply_fsdp: prefetch must be >= 0, got {prefetch}")
     _check_dtypes(param_dtype, reduce_dtype)
+    quantized.check_fsdp(model, param_dtype)
     _check_devices(model, mesh)
     if isinstance(model, FSDPModule):
         raise ValueError("apply_fsdp: the model is already sharded with fully_shard")

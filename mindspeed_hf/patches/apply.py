@@ -17,7 +17,7 @@ from .. import compat
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, register_attention, unregister_attention
-from . import experts, forwards, scope
+from . import experts, forwards, multimodal, quantized, scope, third_party
 from .engine import PatchSet
 from .families import FAMILIES, ModelFamily
 
@@ -33,6 +33,8 @@ _models: weakref.WeakSet = weakref.WeakSet()
 
 
 def _modeling(family: ModelFamily):
+    if family.modeling:  # third-party: only once its package is imported (never imported from here)
+        return third_party.imported_module(family.modeling)
     try:
         return importlib.import_module(family.modeling_module)
     except ImportError:  # an older transformers without this family
@@ -81,14 +83,16 @@ def _patch_family(family: ModelFamily) -> None:
         return
     norm_forward = forwards.offset_rms_norm_forward if family.offset_rms_norm else forwards.rms_norm_forward
     for name in family.rms_norm:
-        _switch_method(getattr(module, name), "forward", "rms_norm", norm_forward)
+        if hasattr(module, name):  # VLMs: 4.57 imports some of these classes from the text family's module
+            _switch_method(getattr(module, name), "forward", "rms_norm", norm_forward)
     for names, make in ((family.swiglu_mlp, forwards.swiglu_mlp_forward),
                         (family.packed_swiglu_mlp, forwards.packed_swiglu_mlp_forward)):
-        for name in names:
-            cls = getattr(module, name)
+        for cls in (getattr(module, name) for name in names if hasattr(module, name)):
             _switch_method(cls, "forward", "swiglu", make(cls.forward))
-    if family.rope:
+    if family.rope and hasattr(module, "apply_rotary_pos_emb"):  # 4.57's Qwen2(.5)-VL: multimodal rope only
         _switch_method(module, "apply_rotary_pos_emb", "rope", forwards.rope_function)
+    for _, function in family.mrope_attention:
+        _switch_method(module, function, "rope", third_party.mrope_function(getattr(module, function)))
     pretrained = getattr(module, family.pretrained)
     if not _patches.is_patched(pretrained, "get_correct_attn_implementation"):
         _patches.set(pretrained, "get_correct_attn_implementation",
@@ -105,6 +109,7 @@ def _patch_family(family: ModelFamily) -> None:
         cls = getattr(module, name)
         if not _patches.is_patched(cls, "forward"):
             _switch_method(cls, "forward", "fused_linear_cross_entropy", causal_lm.laid_out_as(cls.forward))
+    multimodal.patch_family(family, module, _switch_method)
 
 
 def enable(config: MindSpeedConfig | None = None) -> None:
@@ -143,7 +148,7 @@ def disable() -> None:
     _patches.restore_all()
     for model in list(_models):
         if model.config._attn_implementation == ATTENTION_NAME:
-            model.set_attn_implementation("sdpa")
+            _set_attention(model, "sdpa")
         experts.restore(model)
         scope.detach(model)
     _models.clear()
@@ -199,20 +204,34 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
             logger.warning("mindspeed_hf: model type %r is not supported; it runs unaccelerated (supported: %s)",
                            model_type, ", ".join(sorted(FAMILIES)))
         return report(model)
+    if family.modeling:  # a third-party module imported after enable()
+        _patch_family(family)
     scope.attach(hf_model, config)
     _models.add(hf_model)
     current = hf_model.config._attn_implementation
     if getattr(hf_model, "_mindspeed_explicit_attention", None) is None:
         if config.kernels.attention and current == "sdpa" and compat.sdpa_replaceable(hf_model):
-            hf_model.set_attn_implementation(ATTENTION_NAME)
+            _set_attention(hf_model, ATTENTION_NAME)
         elif not config.kernels.attention and current == ATTENTION_NAME:
-            hf_model.set_attn_implementation("sdpa")
+            _set_attention(hf_model, "sdpa")
         hf_model.__dict__.pop("_mindspeed_explicit_attention", None)  # set_attn_implementation is ours, not theirs
     if family.experts:
         experts.settle(hf_model, config.kernels.experts)
     result = report(model)
     _announce(hf_model, result)
     return result
+
+
+def _set_attention(model: nn.Module, name: str) -> None:
+    """model.set_attn_implementation(name), and again on any sub-model it left behind (4.57 skips a nested
+    sub-model whose config it changed before, e.g. Qwen3-TTS's code predictor inside the talker)."""
+    from transformers import PreTrainedModel
+
+    model.set_attn_implementation(name)
+    left = ATTENTION_NAME if name != ATTENTION_NAME else "sdpa"
+    for sub in model.modules():
+        if sub is not model and isinstance(sub, PreTrainedModel) and sub.config._attn_implementation == left:
+            sub.set_attn_implementation(name)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -233,13 +252,16 @@ def report(model: nn.Module) -> dict[str, Any]:
     hf_model = find_hf_model(model)
     family = family_of(model)
     counts = dict.fromkeys(_OPS, 0)
+    vision = dict.fromkeys(multimodal.VISION_OPS, 0)
     kept: dict[str, str] = {}
     config = scope.config_of(hf_model) if hf_model is not None else None
     if family is not None and is_enabled():
         module = _modeling(family)
-        attention_cls = getattr(module, family.attention)
+        text_attention = multimodal.text_attention_sites(family, module, hf_model, FAMILIES, _modeling)
+        vision_ids, vision_attention, vision_rope = multimodal.vision_sites(family, module, hf_model)
+        mrope = {getattr(module, cls): getattr(getattr(module, fn), "_mindspeed_op", None) == "rope"
+                 for cls, fn in family.mrope_attention}
         on = {op: bool(getattr(config.kernels, op)) for op in _OPS}
-        rope_patched = getattr(getattr(module, "apply_rotary_pos_emb", None), "_mindspeed_op", None) == "rope"
         attention = hf_model.config._attn_implementation
         explicit = getattr(hf_model, "_mindspeed_explicit_attention", None)
         if explicit is not None and attention != ATTENTION_NAME:
@@ -250,13 +272,21 @@ def report(model: nn.Module) -> dict[str, Any]:
         if experts_note is not None:
             kept["experts"] = experts_note
         for sub in hf_model.modules():
-            forward = vars(sub).get("forward", type(sub).forward)
-            op = getattr(forward, "_mindspeed_op", None)
+            op = _op_of(vars(sub).get("forward", type(sub).forward))
+            ours = getattr(sub, "config", hf_model.config)._attn_implementation == ATTENTION_NAME
+            if isinstance(sub, vision_attention):  # the tower's: counted apart (report()["vision_kernels"])
+                vision["attention"] += op is not None and on[op] and ours
+                vision["rope"] += vision_rope and on["rope"]
+                continue
             if op is not None:
-                counts[op] += on[op]
-            if isinstance(sub, attention_cls):
+                (vision if id(sub) in vision_ids else counts)[op] += on[op]
+            rope_patched = next((r for cls, r in text_attention.items() if isinstance(sub, cls)), None)
+            if rope_patched is not None:
                 counts["rope"] += rope_patched and on["rope"]
-                counts["attention"] += attention == ATTENTION_NAME
+                counts["attention"] += ours
+            elif type(sub) in mrope:
+                counts["rope"] += mrope[type(sub)] and on["rope"]
+                counts["attention"] += sub.config._attn_implementation == ATTENTION_NAME
     token = registry.use_backend(None if config is None or config.backend == "auto" else config.backend)
     try:
         return {
@@ -269,15 +299,32 @@ def report(model: nn.Module) -> dict[str, Any]:
             "skip_logits": None if config is None or not counts["fused_linear_cross_entropy"] else
             config.kernels.skip_logits,
             "kept": kept,
+            "quantized_linear": quantized.describe(model, device),
+            **({"vision_kernels": vision, "vision_attention_implementation": registry.implementation(
+                "vision_attention", device)} if family is not None and family.vision_model else {}),
         }
     finally:
         registry.reset_backend(token)
+
+
+def _op_of(forward: Any) -> str | None:
+    """The op a module's forward runs (its `_mindspeed_op`), looking through wrappers that keep `__wrapped__`, such
+    as the one accelerate puts on the instance for bf16/fp16 mixed precision (autocast + convert_to_fp32)."""
+    for _ in range(8):
+        op = getattr(forward, "_mindspeed_op", None)
+        if op is not None or not hasattr(forward, "__wrapped__"):
+            return op
+        forward = forward.__wrapped__
+    return None
 
 
 def _announce(model: nn.Module, result: dict[str, Any]) -> None:
     """Log what was applied, once per model (and again only if it changed)."""
     applied = ", ".join(f"{op} x{n}" for op, n in result["kernels"].items() if n) or "nothing"
     line = f"mindspeed_hf: {result['model_type']} on backend {result['backend']}: {applied}"
+    if "vision_kernels" in result:
+        vision = ", ".join(f"{op} x{n}" for op, n in result["vision_kernels"].items() if n) or "nothing"
+        line += f"; vision tower: {vision}"
     if getattr(model, "_mindspeed_announced", None) != line:
         model._mindspeed_announced = line
         logger.info(line)

@@ -44,6 +44,12 @@ from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from . import scope
 
 
+class SkippedLogitsError(RuntimeError, AttributeError):
+    """Using a SkippedLogits. Also an AttributeError, so that `hasattr(outputs.logits, "dtype")` is False: accelerate's
+    mixed-precision output conversion (`convert_to_fp32`, every bf16/fp16 Trainer run) probes the outputs that way
+    and leaves anything without a dtype alone."""
+
+
 class SkippedLogits:
     """What stands in `outputs.logits` when the fused loss did not compute them: any use of it raises an error that
     names the setting to change (instead of an AttributeError on None far from the cause)."""
@@ -57,7 +63,7 @@ class SkippedLogits:
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        raise RuntimeError(self._message)
+        raise SkippedLogitsError(self._message)
 
     def __getitem__(self, item):
         raise RuntimeError(self._message)

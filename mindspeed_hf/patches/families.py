@@ -21,10 +21,23 @@ class ModelFamily:
     packed_swiglu_mlp: tuple[str, ...] = ()  # gate_up_proj / down_proj MLPs (Phi-3)
     rope: bool = True  # module-level apply_rotary_pos_emb
     experts: tuple[str, ...] = ()  # fused 3-D experts classes (transformers >= 5): the grouped-GEMM experts kernel
+    # A third-party modeling module (full path): patched once its package is imported, never imported by us.
+    modeling: str = ""
+    # (XAttention, its module-level multimodal rope function): rope counted / fused where the 3 position rows agree
+    mrope_attention: tuple[tuple[str, str], ...] = ()
+    # Vision-language models: the XForConditionalGeneration heads (fused loss), the vision tower's class (its kernels
+    # are reported apart from the text ones), its packed-patch attention classes (one varlen call over all images),
+    # and whether the tower's module-level apply_rotary_pos_emb_vision gets the rope kernel.
+    vlm_heads: tuple[str, ...] = ()
+    vision_model: str = ""
+    vision_attention: tuple[str, ...] = ()
+    vision_rope: bool = False
+    # LLaVA / InternVL: the language model is a stock family, the one named by config.text_config.model_type.
+    text_from_config: bool = False
 
     @property
     def modeling_module(self) -> str:
-        return f"transformers.models.{self.module}.modeling_{self.module}"
+        return self.modeling or f"transformers.models.{self.module}.modeling_{self.module}"
 
 
 def _dense(model_type: str, prefix: str, module: str | None = None, **overrides) -> ModelFamily:
@@ -40,6 +53,15 @@ def _dense(model_type: str, prefix: str, module: str | None = None, **overrides)
     )
     entry.update(overrides)
     return ModelFamily(**entry)
+
+
+def _vlm(model_type: str, prefix: str, **overrides) -> ModelFamily:
+    """A vision-language entry: XForConditionalGeneration head, XVisionAttention on the packed patches, the
+    vision rope, and XRMSNorm shared by the text model and (Qwen2.5-VL) the vision tower."""
+    entry = dict(causal_lm=(), vlm_heads=(f"{prefix}ForConditionalGeneration",),
+                 vision_attention=(f"{prefix}VisionAttention",), vision_rope=True, rms_norm=(f"{prefix}RMSNorm",))
+    entry.update(overrides)
+    return _dense(model_type, prefix, **entry)
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -69,5 +91,25 @@ FAMILIES: dict[str, ModelFamily] = {
         _dense("gemma2", "Gemma2", offset_rms_norm=True, swiglu_mlp=()),
         _dense("gemma3_text", "Gemma3", module="gemma3", offset_rms_norm=True, swiglu_mlp=()),
         _dense("phi3", "Phi3", swiglu_mlp=(), packed_swiglu_mlp=("Phi3MLP",)),
+        # Qwen3-TTS (the qwen-tts package): code predictor (1-D rope) and talker (multimodal rope); loss is the
+        # example's (examples/qwen3_tts), not HF's causal-LM loss.
+        _dense("qwen3_tts", "Qwen3TTS", modeling="qwen_tts.core.models.modeling_qwen3_tts", causal_lm=(),
+               swiglu_mlp=("Qwen3TTSTalkerTextMLP",),
+               mrope_attention=(("Qwen3TTSTalkerAttention", "apply_multimodal_rotary_pos_emb"),)),
+        # Vision-language models: text parts as their dense / MoE cousins (mRoPE cos/sin come from the model's own
+        # rotary module), vision towers on the varlen attention, vision rope, RMSNorm and SwiGLU-with-bias kernels.
+        _vlm("qwen2_vl", "Qwen2VL", rms_norm=("Qwen2VLRMSNorm",), swiglu_mlp=("Qwen2MLP",),
+             vision_model="Qwen2VisionTransformerPretrainedModel", vision_attention=("VisionAttention",)),
+        _vlm("qwen2_5_vl", "Qwen2_5_VL", swiglu_mlp=("Qwen2_5_VLMLP", "Qwen2MLP"),
+             vision_model="Qwen2_5_VisionTransformerPretrainedModel"),
+        _vlm("qwen3_vl", "Qwen3VL", attention="Qwen3VLTextAttention", rms_norm=("Qwen3VLTextRMSNorm",),
+             swiglu_mlp=("Qwen3VLTextMLP",), vision_model="Qwen3VLVisionModel"),
+        _vlm("qwen3_vl_moe", "Qwen3VLMoe", attention="Qwen3VLMoeTextAttention", rms_norm=("Qwen3VLMoeTextRMSNorm",),
+             swiglu_mlp=("Qwen3VLMoeTextMLP",), experts=("Qwen3VLMoeTextExperts",),
+             vision_model="Qwen3VLMoeVisionModel"),
+        _vlm("llava", "Llava", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,
+             vision_attention=(), text_from_config=True),
+        _vlm("internvl", "InternVL", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,
+             vision_attention=(), text_from_config=True),
     )
 }

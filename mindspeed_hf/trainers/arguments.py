@@ -62,9 +62,16 @@ class _MindSpeedFields:
     """Methods of MindSpeedTrainingArguments (its fields are generated below)."""
 
     def __post_init__(self) -> None:
+        from . import deepspeed, wiring
+
+        own_deepspeed_steps = not wiring.is_installed()  # else the wrapped TrainingArguments.__post_init__ runs them
+        if own_deepspeed_steps:
+            deepspeed.before_arguments(self)
         super().__post_init__()  # type: ignore[misc]
         # Validate now: a bad value must fail when the arguments are parsed, not after the model is built.
         self.mindspeed_config()
+        if own_deepspeed_steps:
+            deepspeed.after_arguments(self)
 
     def mindspeed_layer(self) -> Layer:
         """The mindspeed_* fields that were set, as setting path -> value."""

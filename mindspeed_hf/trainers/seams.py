@@ -68,6 +68,9 @@ SEAMS: tuple[Seam, ...] = (
     Seam("_setup_devices", "arguments",
          "recomputed once with use_cpu on CPU under torchrun, so accelerate counts every process (use_cpu is given "
          "back afterwards)"),
+    Seam("__post_init__", "arguments",
+         "wrapped (DeepSpeed, trainers/deepspeed.py): our parallelism with DeepSpeed refused and use_cpu set for a "
+         "CPU launch before the devices are set up; deepspeed.comm initialised after, before a ZeRO-3 model is built"),
     # accelerate internals
     Seam("AcceleratorState._reset_state", "accelerate",
          "drop an FSDP plugin an earlier Accelerator left in accelerate's process-wide state"),

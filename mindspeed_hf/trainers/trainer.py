@@ -22,7 +22,7 @@ from transformers import Trainer, TrainingArguments
 from ..config import MindSpeedConfig, ResolvedConfig
 from ..memory.recompute import absorb_hf_checkpointing
 from ..parallel.parallelize import ParallelizeOptions, parallelize
-from . import fsdp, seams
+from . import deepspeed, fsdp, seams
 from .arguments import resolve_for
 from .context import split_inputs
 
@@ -44,6 +44,7 @@ def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpe
     import mindspeed_hf
 
     resolved = resolve_config(args)
+    deepspeed.check_exclusive(args, resolved)  # DeepSpeed shards the model itself: not with our FSDP2 / CP / EP
     if getattr(args, "use_liger_kernel", False) and not seams.available("apply_liger_kernel"):
         import transformers
 

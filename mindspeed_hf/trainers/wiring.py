@@ -7,7 +7,8 @@ object, so it is covered too. Every original is kept and put back exactly by uni
 Settings for such a script come from its own `fsdp`/`fsdp_config`/`parallelism_config` arguments over the process
 config (MINDSPEED_HF_* variables, MINDSPEED_HF_CONFIG=path.yaml, the accelerate launch environment, the defaults);
 the Trainer methods in fsdp.OVERRIDES (each a seam, seams.py) are wrapped too and run the same code as
-MindSpeedTrainer's while the model is sharded.
+MindSpeedTrainer's while the model is sharded. TrainingArguments.__post_init__ is wrapped for DeepSpeed
+(trainers/deepspeed.py: the refusal of our parallelism with it, and deepspeed.comm before a ZeRO-3 model is built).
 """
 
 from __future__ import annotations
@@ -153,12 +154,29 @@ def _wrappers() -> dict[str, Callable[[Callable], Callable]]:
     return wrappers
 
 
+def _wrap_arguments_post_init(original: Callable) -> Callable:
+    """TrainingArguments.__post_init__ with the DeepSpeed steps around it (trainers/deepspeed.py): use_cpu for a
+    CPU multi-process run before the devices are set up; afterwards the refusal of our parallelism with DeepSpeed
+    and deepspeed.comm initialised, so a ZeRO-3 model built next under zero.Init is partitioned over every rank."""
+
+    @functools.wraps(original)
+    def __post_init__(self) -> None:
+        from . import deepspeed
+
+        deepspeed.before_arguments(self)
+        original(self)
+        deepspeed.after_arguments(self)
+
+    return __post_init__
+
+
 def install_trainer_wiring() -> None:
-    """Wrap transformers.Trainer's __init__, call_model_init, train and the FSDP2 methods on the class.
-    Idempotent. Fails (RuntimeError naming the transformers release) when a method we depend on is gone."""
+    """Wrap transformers.Trainer's __init__, call_model_init, train and the FSDP2 methods on the class, and
+    TrainingArguments.__post_init__ (DeepSpeed). Idempotent. Fails (RuntimeError naming the transformers release)
+    when a method we depend on is gone."""
     if len(_patches):
         return
-    from transformers import Trainer
+    from transformers import Trainer, TrainingArguments
 
     from . import seams
 
@@ -169,6 +187,9 @@ def install_trainer_wiring() -> None:
         wrapped = wrap(vars(Trainer)[name])
         wrapped._mindspeed_wiring = True
         _patches.set(Trainer, name, wrapped)
+    post_init = _wrap_arguments_post_init(vars(TrainingArguments)["__post_init__"])
+    post_init._mindspeed_wiring = True
+    _patches.set(TrainingArguments, "__post_init__", post_init)
 
 
 def uninstall_trainer_wiring() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
+import importlib.util
 import sys
 import types
 
@@ -222,7 +223,7 @@ def test_zero3_empty_weight():
         torch.testing.assert_close(fused_linear_cross_entropy(hidden, head.weight, labels), ref, **TOL)
     with pytest.raises(RuntimeError, match="needs a gradient"):
         fused_linear_cross_entropy(hidden, head.weight, labels)
-    if "deepspeed" not in sys.modules:
+    if importlib.util.find_spec("deepspeed") is None:  # not installed (CI installs it: the real one needs real params)
         with pytest.raises(RuntimeError, match="deepspeed cannot be imported"), torch.no_grad():
             fused_linear_cross_entropy(hidden, head.weight, labels)
     del head.weight.ds_id

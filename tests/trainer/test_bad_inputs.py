@@ -4,6 +4,7 @@ message), exit status 2, no traceback, and no model is ever built. Run in-proces
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -98,6 +99,11 @@ CASES: dict[str, tuple[dict, str | None, list[str], dict[str, str], list[str]]] 
     "env-config-unknown-key": ({}, "__config__:kernels:\n  ropes: true\n", [], {"MINDSPEED_HF_CONFIG": "accel.yaml"},
                                ["ropes"]),
 }
+
+if importlib.util.find_spec("deepspeed") is not None:  # DeepSpeed with our own parallelism (CI installs deepspeed)
+    CASES["deepspeed-with-cp"] = ({"training.deepspeed": {"zero_optimization": {"stage": 2}}, "parallel.cp": 2}, None,
+                                  [], {}, ["DeepSpeed", "TrainingArguments.deepspeed", "context parallelism",
+                                           "drop one"])
 
 
 @pytest.fixture

@@ -18,8 +18,9 @@ def _split(lines: list[dict]) -> tuple[list[float], dict]:
     return losses, report
 
 
-@pytest.mark.parametrize("script", ["sft_trainer.py", "sft_lora.py", "sft_trl.py"])
-def test_same_losses_with_and_without_accelerator(script, tmp_path):
+def _same_losses(script: str, tmp_path) -> tuple[dict, dict]:
+    """Run `script` without and with the accelerator; assert equal per-step losses (fp32, 1e-5), that it learns,
+    and that the baseline applied nothing; return both reports."""
     base_losses, base = _split(run_example(script, tmp_path, False, "--max_steps", STEPS))
     fast_losses, fast = _split(run_example(script, tmp_path, True, "--max_steps", STEPS))
 
@@ -27,10 +28,34 @@ def test_same_losses_with_and_without_accelerator(script, tmp_path):
     torch.testing.assert_close(torch.tensor(fast_losses, dtype=torch.float64),
                                torch.tensor(base_losses, dtype=torch.float64), rtol=1e-5, atol=1e-5)
     assert base_losses[-1] < base_losses[0], "the run should learn something"
-
     assert not base["enabled"] and not any(base["report"]["kernels"].values())
+    return base, fast
+
+
+@pytest.mark.parametrize("script", ["sft_trainer.py", "sft_lora.py", "sft_trl.py"])
+def test_same_losses_with_and_without_accelerator(script, tmp_path):
+    _, fast = _same_losses(script, tmp_path)
     assert fast["enabled"]
     kernels = fast["report"]["kernels"]
     for op in KERNELS:
         assert kernels[op] > 0, f"{op} not applied in {script}: {fast['report']}"
     assert kernels["rms_norm"] == 17  # 4 layers x (input, post-attention, q_norm, k_norm) + final norm
+
+
+def _vl_forward_takes_mm_token_types() -> bool:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from mindspeed_hf.cli.vl_data import takes_mm_token_types
+
+    return takes_mm_token_types(Qwen2_5_VLForConditionalGeneration)
+
+
+@pytest.mark.skipif(not _vl_forward_takes_mm_token_types(),
+                    reason="the VLM example needs transformers >= 5 (Qwen-VL forward with mm_token_type_ids)")
+def test_vlm_example_same_losses_with_and_without_accelerator(tmp_path):
+    _, fast = _same_losses("vlm/sft_vlm.py", tmp_path)
+    assert fast["enabled"] and fast["report"]["model_type"] == "qwen2_5_vl"
+    applied = {**fast["report"]["kernels"], **{f"vision {k}": n for k, n in
+                                               fast["report"].get("vision_kernels", {}).items()}}
+    for op in (*KERNELS, *(k for k in applied if k.startswith("vision "))):
+        assert applied[op] > 0, f"{op} not applied to the VLM: {fast['report']}"

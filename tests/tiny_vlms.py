@@ -1,0 +1,148 @@
+"""Tiny vision-language models from configs (no downloads), and the multimodal batches the VLM tests feed them:
+several images of different grids per batch, random pixels, padded text."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText, modeling_rope_utils
+
+VLM_VOCAB = 256
+IMAGE, VIDEO, START, END = 250, 251, 252, 253
+_TEXT = dict(vocab_size=VLM_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             tie_word_embeddings=False)
+_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
+               spatial_merge_size=2, out_hidden_size=64, in_channels=3)
+_IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+# (t, h, w) patch grids of the images in a batch: sample 0 holds the first two, sample 1 the third.
+GRIDS = ((1, 8, 8), (1, 4, 4), (1, 4, 8))
+SAMPLE_IMAGES = ((0, 1), (2,))
+
+
+def _mrope(interleaved: bool = False) -> dict:
+    section = [2, 3, 3]  # sums to head_dim / 2 = 8
+    if hasattr(modeling_rope_utils, "RopeParameters"):
+        params = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": section}
+        if interleaved:
+            params["mrope_interleaved"] = True
+        return {"rope_parameters": params}
+    scaling = {"type": "default", "rope_type": "default", "mrope_section": section}
+    if interleaved:
+        scaling["mrope_interleaved"] = True
+    return {"rope_theta": 1e4, "rope_scaling": scaling}
+
+
+def _qwen_vl(model_type: str) -> dict:
+    if model_type == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=4,
+                      temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+        return dict(text_config={**_TEXT, **_mrope()}, vision_config=vision, **_IDS)
+    if model_type == "qwen2_5_vl":
+        vision = {**_VISION, "window_size": 16, "fullatt_block_indexes": [1], "hidden_act": "silu"}
+        return dict(text_config={**_TEXT, **_mrope()}, vision_config=vision, **_IDS)
+    text = {**_TEXT, "head_dim": 16, **_mrope(interleaved=True)}
+    if model_type == "qwen3_vl_moe":
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    vision = {**_VISION, "num_position_embeddings": 64, "deepstack_visual_indexes": [0],
+              "hidden_act": "gelu_pytorch_tanh"}
+    return dict(text_config=text, vision_config=vision, **_IDS)
+
+
+def _llava() -> dict:
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)
+    text = {**_TEXT, "model_type": "qwen3", "head_dim": 16}
+    return dict(vision_config=vision, text_config=text, image_token_id=IMAGE, vision_feature_layer=-1,
+                vision_feature_select_strategy="full")
+
+
+def _internvl() -> dict:
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=[32, 32], patch_size=[8, 8], use_qk_norm=False, norm_type="layer_norm")
+    text = {**_TEXT, "model_type": "qwen2"}
+    return dict(vision_config=vision, text_config=text, image_token_id=IMAGE, downsample_ratio=0.5,
+                vision_feature_layer=-1, vision_feature_select_strategy="default")
+
+
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VLM_TYPES = (*QWEN_VL, "llava", "internvl")
+# Image tokens per image for the fixed-size towers (llava: 16 patches + CLS; internvl: 16 patches shuffled by 0.5^2).
+_FIXED_TOKENS = {"llava": 17, "internvl": 4}
+
+
+def tiny_vlm_config(model_type: str, **overrides):
+    kwargs = {"llava": _llava, "internvl": _internvl}.get(model_type, lambda: _qwen_vl(model_type))()
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_vlm(model_type: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(tiny_vlm_config(model_type, **overrides)).float()
+
+
+def _image_tokens(model_type: str, image: int) -> list[int]:
+    if model_type in _FIXED_TOKENS:
+        return [IMAGE] * _FIXED_TOKENS[model_type]
+    t, h, w = GRIDS[image]
+    return [START] + [IMAGE] * (t * h * w // 4) + [END]
+
+
+def _accepts(model, name: str) -> bool:
+    return name in inspect.signature(type(model).forward).parameters
+
+
+def vlm_batch(model, left: bool = False, seed: int = 3) -> dict[str, torch.Tensor]:
+    """Two samples with images of different grids, text around them, padded to one length (right or left);
+    labels -100 on image, vision start/end and padding tokens."""
+    model_type = model.config.model_type
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for sample, images in enumerate(SAMPLE_IMAGES):
+        ids = torch.randint(3, 240, (5 + 3 * sample,), generator=gen).tolist()
+        for image in images:
+            ids += _image_tokens(model_type, image) + torch.randint(3, 240, (4,), generator=gen).tolist()
+        rows.append(ids)
+    length = max(map(len, rows)) + 3
+    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, ids in enumerate(rows):
+        span = slice(length - len(ids), length) if left else slice(0, len(ids))
+        input_ids[i, span] = torch.tensor(ids)
+        mask[i, span] = 1
+    image_ids = (input_ids == IMAGE) | (input_ids == START) | (input_ids == END)
+    labels = input_ids.masked_fill(image_ids | (mask == 0), -100)
+    batch = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    if model_type in _FIXED_TOKENS:
+        batch["pixel_values"] = torch.randn(len(GRIDS), 3, 32, 32, generator=gen)
+    else:
+        grid = torch.tensor(GRIDS)
+        patch = 3 * 2 * 4 * 4
+        batch["pixel_values"] = torch.randn(int(grid.prod(-1).sum()), patch, generator=gen)
+        batch["image_grid_thw"] = grid
+    if _accepts(model, "mm_token_type_ids"):
+        batch["mm_token_type_ids"] = (input_ids == IMAGE).long()
+    return batch
+
+
+def packed_vlm_batch(model, seed: int = 3) -> dict[str, torch.Tensor]:
+    """vlm_batch's two samples packed in one row (no padding, no attention mask), told apart by 1-D position ids
+    restarting at 0; the first token of the second sample is not predicted from the first."""
+    batch = vlm_batch(model, seed=seed)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    keep = batch["attention_mask"].bool()
+    packed = {k: batch[k][keep].unsqueeze(0) for k in ("input_ids", "labels")}
+    packed["labels"][0, lengths[0]] = -100
+    text_positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    packed["position_ids"] = text_positions
+    if "image_grid_thw" in batch:  # M-RoPE: the samples' own 3-D positions, after the text row that marks packing
+        rope_index = model.model.get_rope_index
+        extra = {k: batch[k] for k in ("mm_token_type_ids",) if k in inspect.signature(rope_index).parameters}
+        rope, _ = rope_index(input_ids=batch["input_ids"], image_grid_thw=batch["image_grid_thw"],
+                             attention_mask=batch["attention_mask"], **extra)
+        rope = torch.cat([rope[:, row, keep[row]] for row in range(len(lengths))], dim=1).unsqueeze(1)
+        packed["position_ids"] = torch.cat([text_positions.unsqueeze(0), rope])
+        packed.update({k: v[keep].unsqueeze(0) for k, v in extra.items()})
+    return {**packed, "use_cache": False}
