@@ -5,6 +5,7 @@
     MINDSPEED_HF_CONFIG=examples/vlm/accelerator.yaml python examples/vlm/sft_vlm.py --freeze_vision true
     torchrun --nproc_per_node 2 examples/vlm/sft_vlm.py --max_steps 10 \\
         --fsdp full_shard --fsdp_config '{"fsdp_version": 2}'             # FSDP2
+    python examples/vlm/sft_vlm.py --trainer trl --max_steps 10           # TRL's SFTTrainer instead of Trainer
 
 The model is a tiny Qwen2.5-VL (or --model_type qwen3_vl) built from a config, the data the synthetic
 shape-and-colour questions of `mindspeed-hf train --recipe vl` (mindspeed_hf/cli/vl_data.py): images become Qwen-VL
@@ -40,12 +41,39 @@ class VLMArguments:
     num_examples: int = field(default=256, metadata={"help": "synthetic training examples"})
     image_size: int = field(default=IMAGE_SIZE, metadata={"help": "image side in pixels (a multiple of 8)"})
     freeze_vision: bool = field(default=False, metadata={"help": "train the language model only (vision frozen)"})
+    trainer: str = field(default="hf", metadata={"help": "hf (transformers.Trainer) or trl (TRL's SFTTrainer, with "
+                                                            "its dataset preparation skipped: the collator does it)"})
     losses_file: str | None = field(default=None, metadata={"help": "write JSON lines here instead of stdout"})
 
 
+def _arguments_class(trainer: str) -> type[TrainingArguments]:
+    """The arguments dataclass of the chosen trainer: TrainingArguments, or TRL's SFTConfig (imported only then)."""
+    if trainer == "hf":
+        return TrainingArguments
+    if trainer == "trl":
+        from trl import SFTConfig
+
+        return SFTConfig
+    raise SystemExit(f"--trainer {trainer!r} is not valid; choose one of hf, trl")
+
+
+def _sft_trainer(model, args: TrainingArguments, rows: list, collator: VLCollator, tokenizer, callbacks: list):
+    """TRL's SFTTrainer the way its vision-language recipes use it: a collator that builds the model inputs, the
+    dataset passed through untouched (dataset_kwargs skip_prepare_dataset, all columns kept)."""
+    from datasets import Dataset
+    from trl import SFTTrainer
+
+    dataset = Dataset.from_list(rows).with_format("torch")
+    return SFTTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                      processing_class=tokenizer, callbacks=callbacks)
+
+
 def main() -> None:
-    parser = HfArgumentParser((VLMArguments, TrainingArguments))
+    chosen = HfArgumentParser(VLMArguments).parse_args_into_dataclasses(return_remaining_strings=True)[0]
+    parser = HfArgumentParser((VLMArguments, _arguments_class(chosen.trainer)))
     parser.set_defaults(**QUICK_DEFAULTS)
+    if chosen.trainer == "trl":
+        parser.set_defaults(dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False)
     example, args = parser.parse_args_into_dataclasses()
     check_transformers()
     tokenizer = make_tokenizer()
@@ -57,8 +85,12 @@ def main() -> None:
     layout = PatchLayout.of(config.vision_config)
     rows = [encode_vl(r, tokenizer, layout) for r in make_examples(example.num_examples, example.image_size, args.seed)]
     out = JsonLines(example.losses_file)
-    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=VLCollator(tokenizer.pad_token_id),
-                      callbacks=[LossLogger(out)])
+    collator = VLCollator(tokenizer.pad_token_id)
+    if example.trainer == "trl":
+        trainer = _sft_trainer(model, args, rows, collator, tokenizer, [LossLogger(out)])
+    else:
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator,
+                          callbacks=[LossLogger(out)])
     trainer.train()
     emit_report(out, trainer.model)
 

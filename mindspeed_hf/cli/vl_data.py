@@ -172,11 +172,12 @@ class VLCollator:
             out["mm_token_type_ids"] = torch.zeros((rows, length), dtype=torch.long)
         for i, x in enumerate(batch):
             n = len(x["input_ids"])
-            out["input_ids"][i, :n] = torch.tensor(x["input_ids"])
-            out["labels"][i, :n] = torch.tensor(x["labels"])
+            out["input_ids"][i, :n] = torch.as_tensor(x["input_ids"])
+            out["labels"][i, :n] = torch.as_tensor(x["labels"])
             out["attention_mask"][i, :n] = 1
             if typed:
-                out["mm_token_type_ids"][i, :n] = torch.tensor(x["mm_token_type_ids"])
-        out["pixel_values"] = torch.cat([x["pixel_values"] for x in batch])
-        out["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in batch])
+                out["mm_token_type_ids"][i, :n] = torch.as_tensor(x["mm_token_type_ids"])
+        # tensors as encode_vl made them, or as a `datasets.Dataset` in torch format gives them back
+        out["pixel_values"] = torch.cat([torch.as_tensor(x["pixel_values"], dtype=torch.float32) for x in batch])
+        out["image_grid_thw"] = torch.cat([torch.as_tensor(x["image_grid_thw"], dtype=torch.long) for x in batch])
         return out

@@ -18,11 +18,11 @@ def _split(lines: list[dict]) -> tuple[list[float], dict]:
     return losses, report
 
 
-def _same_losses(script: str, tmp_path) -> tuple[dict, dict]:
-    """Run `script` without and with the accelerator; assert equal per-step losses (fp32, 1e-5), that it learns,
-    and that the baseline applied nothing; return both reports."""
-    base_losses, base = _split(run_example(script, tmp_path, False, "--max_steps", STEPS))
-    fast_losses, fast = _split(run_example(script, tmp_path, True, "--max_steps", STEPS))
+def _same_losses(script: str, tmp_path, *extra: str) -> tuple[dict, dict]:
+    """Run `script` (with `extra` arguments) without and with the accelerator; assert equal per-step losses (fp32,
+    1e-5), that it learns, and that the baseline applied nothing; return both reports."""
+    base_losses, base = _split(run_example(script, tmp_path, False, "--max_steps", STEPS, *extra))
+    fast_losses, fast = _split(run_example(script, tmp_path, True, "--max_steps", STEPS, *extra))
 
     assert len(base_losses) == len(fast_losses) == int(STEPS)
     torch.testing.assert_close(torch.tensor(fast_losses, dtype=torch.float64),
@@ -52,8 +52,9 @@ def _vl_forward_takes_mm_token_types() -> bool:
 
 @pytest.mark.skipif(not _vl_forward_takes_mm_token_types(),
                     reason="the VLM example needs transformers >= 5 (Qwen-VL forward with mm_token_type_ids)")
-def test_vlm_example_same_losses_with_and_without_accelerator(tmp_path):
-    _, fast = _same_losses("vlm/sft_vlm.py", tmp_path)
+@pytest.mark.parametrize("trainer", ["hf", "trl"])
+def test_vlm_example_same_losses_with_and_without_accelerator(trainer, tmp_path):
+    _, fast = _same_losses("vlm/sft_vlm.py", tmp_path, "--trainer", trainer)
     assert fast["enabled"] and fast["report"]["model_type"] == "qwen2_5_vl"
     applied = {**fast["report"]["kernels"], **{f"vision {k}": n for k, n in
                                                fast["report"].get("vision_kernels", {}).items()}}
