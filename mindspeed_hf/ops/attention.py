@@ -40,7 +40,7 @@ _NPU_MAX_HEAD_DIM = 768
 _NPU_MAX_HEADS = 256
 _NPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _COMPRESSED_MASK_SIZE = 2048  # modes 2, 3, 4 take exactly this mask
-_CAUSAL_SPARSE_MODE = 3  # bottom-right causal; equal to 2 (top-left) here since Sq == Skv whenever we use it
+CAUSAL_SPARSE_MODE = 3  # bottom-right causal; equal to 2 (top-left) here since Sq == Skv whenever we use it
 _BAND_SPARSE_MODE = 4
 _UNSUPPORTED_KWARGS = ("position_bias", "s_aux", "sinks")  # additive biases / attention sinks the op cannot take
 
@@ -52,7 +52,8 @@ _packed_ids: OrderedDict[int, torch.Tensor] = OrderedDict()
 _PACKED_KEEP = 8
 
 
-def _warn_once(reason: str) -> None:
+def warn_fallback_once(reason: str) -> None:
+    """One warning per reason that npu_fusion_attention cannot take a call (the torch path runs instead)."""
     if reason not in _warned:
         _warned.add(reason)
         logger.warning("mindspeed_hf: npu_fusion_attention cannot run %s; using the torch path there.", reason)
@@ -142,7 +143,7 @@ register("attention", "cuda", name="cuda:sdpa", available=lambda: True)(attentio
 # ------------------------------------------------------------------------------------------------------ npu path
 
 
-def _compressed_causal_mask(device: torch.device) -> torch.Tensor:
+def compressed_causal_mask(device: torch.device) -> torch.Tensor:
     """The 2048x2048 mask sparse modes 2/3/4 require (True = masked), built once per device."""
     mask = _compressed_masks.get(device)
     if mask is None:
@@ -181,13 +182,13 @@ def _npu_unsupported(query, key, value, mask, softcap, kwargs) -> str | None:
 def _npu_call(query, key, value, layout, heads, scale, keep_prob, causal, window, cu_seqlens=None):
     kw: dict[str, Any] = {"scale": float(scale), "keep_prob": float(keep_prob)}
     if causal:
-        kw["atten_mask"] = _compressed_causal_mask(query.device)
+        kw["atten_mask"] = compressed_causal_mask(query.device)
         if window is not None:
             # HF's sliding window keeps keys with q_idx - kv_idx < window; the band keeps
             # q_idx - pre_tockens <= kv_idx <= q_idx + next_tockens, so pre_tockens = window - 1.
             kw.update(sparse_mode=_BAND_SPARSE_MODE, pre_tockens=int(window) - 1, next_tockens=0)
         else:
-            kw["sparse_mode"] = _CAUSAL_SPARSE_MODE
+            kw["sparse_mode"] = CAUSAL_SPARSE_MODE
     if cu_seqlens is not None:
         kw.update(actual_seq_qlen=cu_seqlens, actual_seq_kvlen=cu_seqlens)
     return import_torch_npu().npu_fusion_attention(query, key, value, heads, layout, **kw)[0]
@@ -226,7 +227,7 @@ def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scalin
         elif sliding_window is not None and sliding_window < query.shape[2] and not info.contiguous:
             reason = "a sliding window over padding with holes"
     if reason is not None:
-        _warn_once(reason)
+        warn_fallback_once(reason)
         if mask is None or mask.dim() == 2:  # compact (ours): the SDPA mask it stands for
             mask = _expand_compact_mask(mask, query, key, sliding_window, is_causal)
         return _reference(module, query, key, value, mask, dropout, scaling, softcap, kwargs)

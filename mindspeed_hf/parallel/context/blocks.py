@@ -25,7 +25,7 @@ import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from ...device import import_torch_npu
-from ...ops.attention import _CAUSAL_SPARSE_MODE, _compressed_causal_mask
+from ...ops.attention import CAUSAL_SPARSE_MODE, compressed_causal_mask
 from ...ops.registry import register, select
 
 FORWARD_OP = "context_block_forward"
@@ -181,7 +181,7 @@ def _npu_mask_kwargs(q, k, causal: bool, keep: torch.Tensor | None) -> dict:
         full = _full_keep(q, k, causal, keep)
         return {"atten_mask": ~full, "sparse_mode": _FULL_MASK_MODE, "inner_precise": _ROW_FIX}
     if causal:
-        return {"atten_mask": _compressed_causal_mask(q.device), "sparse_mode": _CAUSAL_SPARSE_MODE}
+        return {"atten_mask": compressed_causal_mask(q.device), "sparse_mode": CAUSAL_SPARSE_MODE}
     return {}
 
 
