@@ -95,15 +95,15 @@ def apply_offload_config(model: nn.Module, memory: MemoryConfig) -> ActivationOf
     layers = decoder_layers(model)
     chosen = set(chosen_layers(memory.offload_layers, len(layers), "memory.offload_layers")) - {len(layers) - 1}
     remove_offload(model)
+    if not chosen:  # nothing to offload: the layers stay as they are
+        logger.warning("mindspeed_hf: activation offload asked for, but memory.offload_layers=%r leaves no decoder "
+                       "layer of %d to offload (the last one is always kept)", memory.offload_layers, len(layers))
+        return None
     offloader = ActivationOffloader(memory.offload_min_bytes)
     for index, layer in enumerate(layers):
         if not any(isinstance(layer, sub) for sub in _CLASSES.values()):
             layer.__class__ = _offload_class(type(layer))
         layer.__dict__[_STATE] = (offloader, index, index in chosen)
-    if not chosen:
-        logger.warning("mindspeed_hf: activation offload asked for, but memory.offload_layers=%r leaves no decoder "
-                       "layer of %d to offload (the last one is always kept)", memory.offload_layers, len(layers))
-    else:
-        logger.info("mindspeed_hf: activation offload is on (%d of %d decoder layers, saved tensors of at least %d "
-                    "bytes)", len(chosen), len(layers), memory.offload_min_bytes)
+    logger.info("mindspeed_hf: activation offload is on (%d of %d decoder layers, saved tensors of at least %d "
+                "bytes)", len(chosen), len(layers), memory.offload_min_bytes)
     return offloader

@@ -200,6 +200,12 @@ def test_offload_layers_and_min_bytes():
         _four_layers({**OFFLOAD, "offload_layers": [7]})
 
 
+def test_offload_layers_that_leave_nothing_wrap_nothing(caplog):
+    model = _four_layers({**OFFLOAD, "offload_layers": [3]})  # only the last layer, which is always kept
+    assert offloader_of(model) is None and not any(is_offload_layer(layer) for layer in decoder_layers(model))
+    assert "leaves no decoder layer of 4 to offload" in caplog.text
+
+
 def test_what_is_never_offloaded():
     weight = torch.nn.Parameter(torch.randn(64, 64))
     activation = torch.randn(64, 64) * 2
