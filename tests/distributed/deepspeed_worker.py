@@ -6,6 +6,7 @@ Launched with MINDSPEED_HF_AUTO=1 and the stages to run (zero2, zero3). In order
   accelerated: 4 steps, checkpoints at steps 2 and 4; mindspeed_hf's kernels and fused loss (chunks of 8 rows)
   resumed:     a new model and Trainer resume the accelerated run from checkpoint-2 (steps 3 and 4)
   offload:     (ZeRO-2) the accelerated run with the optimizer offloaded to the CPU (torch AdamW: no JIT build)
+  lora:        (ZeRO-3) PEFT LoRA on every linear layer of the partitioned model, with gradient checkpointing
   plain:       (after every stage's runs) mindspeed_hf.disable(), then the same training as HF runs it alone; the
                script then has to do
                what mindspeed_hf otherwise does for it (use_cpu=True, and for ZeRO-3 deepspeed.init_distributed,
@@ -34,6 +35,15 @@ STAGES = {
               "stage3_gather_16bit_weights_on_model_save": True},
 }
 OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": False}}
+
+
+def lora_under_zero3_trains() -> bool:
+    """transformers 4.57 cannot train LoRA under ZeRO-3 even without mindspeed_hf: its lr scheduler keeps the
+    parameter groups DeepSpeed dropped (plain run: "zip() argument 2 is longer than argument 1")."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version("5")
 
 
 def ds_config(zero: dict, force_ds_cpu_optimizer: bool = True) -> dict:
@@ -70,7 +80,7 @@ def recording_trainer():
     return Recording
 
 
-def train(config: dict, out_dir: str, resume: str | None = None, **extra) -> dict:
+def train(config: dict, out_dir: str, resume: str | None = None, lora: bool = False, **extra) -> dict:
     from transformers import TrainingArguments
 
     args = TrainingArguments(output_dir=out_dir, deepspeed=config, per_device_train_batch_size=BATCH,
@@ -81,7 +91,13 @@ def train(config: dict, out_dir: str, resume: str | None = None, **extra) -> dic
     model = model_from_config()
     head_inputs: list[list[int]] = []
     model.lm_head.register_forward_pre_hook(lambda m, inputs: head_inputs.append(list(inputs[0].shape)))
-    trainer = recording_trainer()(model=model, args=args, train_dataset=dataset(STEPS * BATCH * 2),
+    trained = model
+    if lora:  # the adapters start from the same seed in both runs
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        trained = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    trainer = recording_trainer()(model=trained, args=args, train_dataset=dataset(STEPS * BATCH * 2),
                                   data_collator=collate)
     trainer.losses = []
     trainer.train(resume_from_checkpoint=resume)
@@ -118,10 +134,16 @@ def main() -> None:
         if stage == "zero2":
             result[stage]["offload"] = train(ds_config({**zero, **OFFLOAD}, force_ds_cpu_optimizer=False),
                                              os.path.join(root, "offload"))
+        if stage == "zero3" and lora_under_zero3_trains():
+            result[stage]["lora"] = train(ds_config(zero), os.path.join(root, "lora"), lora=True,
+                                          gradient_checkpointing=True)
     mindspeed_hf.disable()
     for stage in opts.stages:
         result[stage]["plain"] = train(ds_config(STAGES[stage]), os.path.join(opts.root, stage, "plain"),
                                        use_cpu=True)
+        if stage == "zero3" and lora_under_zero3_trains():
+            result[stage]["plain_lora"] = train(ds_config(STAGES[stage]), os.path.join(opts.root, stage, "plain_lora"),
+                                                use_cpu=True, lora=True, gradient_checkpointing=True)
     if dist.get_rank() == 0:
         with open(opts.out, "w") as f:
             json.dump(result, f, indent=1)

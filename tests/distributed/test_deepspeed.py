@@ -11,6 +11,7 @@ import pytest
 from child_runs import child_env, run_worker
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install mindspeed_hf[deepspeed])")
+from deepspeed_worker import lora_under_zero3_trains  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TOL = 1e-5
@@ -76,3 +77,13 @@ def test_optimizer_offload_matches(results):
     zero2 = results["zero2"]
     assert zero2["offload"]["cpu_offload"] and not zero2["accelerated"]["cpu_offload"]
     _assert_close(zero2["offload"]["losses"], zero2["accelerated"]["losses"], TOL)
+
+
+@pytest.mark.skipif(not lora_under_zero3_trains(), reason="transformers 4.57 cannot train LoRA under ZeRO-3 without "
+                    "mindspeed_hf either (its lr scheduler keeps the parameter groups DeepSpeed dropped)")
+def test_lora_with_gradient_checkpointing_under_zero3_matches(results):
+    """PEFT LoRA on a ZeRO-3-partitioned model, Trainer's gradient checkpointing on: the same losses as plain HF."""
+    zero3 = results["zero3"]
+    assert zero3["lora"]["zero_stage"] == 3 and zero3["lora"]["kernels"]["fused_linear_cross_entropy"]
+    _assert_close(zero3["lora"]["losses"], zero3["plain_lora"]["losses"], TOL)
+    assert zero3["lora"]["losses"] != zero3["accelerated"]["losses"]  # the adapters trained, not the base
