@@ -41,7 +41,7 @@ def test_killed_saves_resume_from_the_newest_complete_checkpoint(ranks, iteratio
     killed = [it for it in result["iterations"] if not it["finished_anyway"]]
     assert len(killed) >= iterations // 2, result["iterations"]  # most kills land inside the run
     assert any(it["kill"].get("tear") for it in killed), "no kill left a half-written file"
-    resumed = 0
+    resumed = {"injected": 0, "delay": 0}  # kills at a chosen write (seeded, so the same every run) / after a delay
     for it in killed:  # the driver has checked every COMPLETE checkpoint reads whole and holds its own step
         if it["newest_complete"] is None:  # killed before the first save finished: nothing to resume
             continue
@@ -55,8 +55,11 @@ def test_killed_saves_resume_from_the_newest_complete_checkpoint(ranks, iteratio
         for step, loss in run["losses"].items():
             assert abs(loss - whole["losses"][step]) <= 1e-6, (step, it)
         assert abs(run["params"] - whole["params"]) <= 1e-9 * abs(whole["params"]), it
-        resumed += 1
-    assert resumed >= iterations // 3
+        resumed["delay" if "delay" in it["kill"] else "injected"] += 1
+    # Where a delay kill lands depends on the machine's speed: only the seeded write kills are counted here (a third
+    # of the kills at least must have resumed mid-run); every resume above was checked either way.
+    injected = sum("kill_at" in it["kill"] for it in result["iterations"])
+    assert resumed["injected"] >= injected // 3, (resumed, result["iterations"])
 
 
 # ---------------------------------------------------------------------------------------------- truncated files
