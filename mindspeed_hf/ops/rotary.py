@@ -71,6 +71,28 @@ def apply_rotary_pos_emb(
     return select("rope", q.device).fn(q, k, cos, sin, unsqueeze_dim)
 
 
+def multimodal_rope_tables(cos: torch.Tensor, sin: torch.Tensor, mrope_section: list[int],
+                           interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal rope tables [3, B, T, D] (temporal, height, width rows) folded into the one [B, T, D] table each
+    that plain rope takes, with no host read: contiguous sections (Qwen2-VL: the i-th section of each half comes from
+    row i % 3) or interleaved (Qwen3-TTS / Qwen3-VL style: in the first half, channel c < 3 * section[r] with
+    c % 3 == r comes from row r, the rest from row 0; the second half repeats the first)."""
+    def contiguous(table: torch.Tensor) -> torch.Tensor:
+        parts = table.split(list(mrope_section) * 2, dim=-1)
+        return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+
+    def interleave(table: torch.Tensor) -> torch.Tensor:
+        half = table[..., : table.shape[-1] // 2]
+        rows = len(mrope_section)
+        folded = half[0].clone()
+        for row, size in enumerate(mrope_section[1:], 1):
+            folded[..., row:size * rows:rows] = half[row, ..., row:size * rows:rows]
+        return torch.cat([folded, folded], dim=-1)
+
+    fold = interleave if interleaved else contiguous
+    return fold(cos), fold(sin)
+
+
 def _rope_one_npu_bsnd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [1, S, N, D] with cos/sin [1, S, 1, D]: npu_rotary_mul's BSND form (B = 1, N = heads)."""
     d = x.shape[-1]

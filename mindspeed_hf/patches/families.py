@@ -23,7 +23,7 @@ class ModelFamily:
     experts: tuple[str, ...] = ()  # fused 3-D experts classes (transformers >= 5): the grouped-GEMM experts kernel
     # A third-party modeling module (full path): patched once its package is imported, never imported by us.
     modeling: str = ""
-    # (XAttention, its module-level multimodal rope function): rope counted / fused where the 3 position rows agree
+    # (XAttention, its module-level multimodal rope function): its tables folded, then the fused rope
     mrope_attention: tuple[tuple[str, str], ...] = ()
     # Vision-language models: the XForConditionalGeneration heads (fused loss), the vision tower's class (its kernels
     # are reported apart from the text ones), its packed-patch attention classes (one varlen call over all images),

@@ -142,11 +142,9 @@ _SECTIONED_ROPE = "apply_multimodal_rotary_pos_emb"  # transformers 4.57's Qwen2
 
 def sectioned_mrope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             mrope_section: list[int], unsqueeze_dim: int = 1):
-    """4.57's `apply_multimodal_rotary_pos_emb`: cos/sin [3, B, S, D] (temporal, height, width rows) are recomposed
-    by `mrope_section` exactly as HF does (section i of each half from row i % 3), then the fused rope applies."""
-    sections = list(mrope_section) * 2
-    cos, sin = (torch.cat([part[i % 3] for i, part in enumerate(t.split(sections, dim=-1))], dim=-1)
-                for t in (cos, sin))
+    """4.57's `apply_multimodal_rotary_pos_emb`: cos/sin [3, B, S, D] (temporal, height, width rows) folded by
+    `mrope_section` exactly as HF does (contiguous sections), then the fused rope applies."""
+    cos, sin = rotary.multimodal_rope_tables(cos, sin, mrope_section)
     return rotary.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
 
