@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from results_io import add_run_arguments, emit
+from results_io import add_run_arguments, emit, paired_rows, run_worker_self
 
 VARIANTS = {"plain HF": "0", "mindspeed_hf": "1"}
 
@@ -110,41 +107,21 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace, auto: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--base", args.base, *sys.argv[1:]]
-    env = {**os.environ, "MINDSPEED_HF_AUTO": auto, "MALLOC_MMAP_THRESHOLD_": "65536",
-           **({"MINDSPEED_HF_KERNELS_SKIP_LOGITS": "always"} if auto == "1" else {})}
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
+    skip = {"MINDSPEED_HF_KERNELS_SKIP_LOGITS": "always"} if auto == "1" else {}
+    return run_worker_self(__file__, auto, "--base", args.base, MALLOC_MMAP_THRESHOLD_="65536", **skip)
 
 
 def _table(args: argparse.Namespace, runs: list[dict]) -> str:
     ours = runs[-1]["mindspeed_hf"]["report"]
     kernels = ", ".join(f"{k} x{v}" for k, v in ours["kernels"].items() if v)
     quantized = ours["quantized_linear"]
-    lines = [f"QLoRA (NF4, double quant, {args.dtype} compute, gradient checkpointing "
-             f"{'off' if args.no_checkpointing else 'on'}, LoRA r=8 all-linear): Qwen3 shape, vocab {args.vocab}, "
-             f"hidden {args.hidden}, {args.layers} layers, batch {args.batch} x {args.seq}, {args.steps} steps "
-             f"(first not measured), {args.repeats} process pairs, {args.threads} torch threads; backend "
-             f"{ours['backend']} ({kernels}); {quantized['modules']} quantized linears: "
-             f"{quantized['implementation']}", "",
-             "| run | step time (s, median of pairs) | step peak (MB, median of pairs) | losses (first pair) |",
-             "|---|---|---|---|"]
-    for name in VARIANTS:
-        step = statistics.median(r[name]["step"] for r in runs)
-        peak = statistics.median(r[name]["peak_bytes"] for r in runs) / 2**20
-        lines.append(f"| {name} | {step:.3f} | {peak:.0f} | "
-                     f"{' '.join(f'{x:.6f}' for x in runs[0][name]['losses'])} |")
-    diff = max(abs(a - b) for r in runs for a, b in zip(r["plain HF"]["losses"], r["mindspeed_hf"]["losses"],
-                                                        strict=True))
-    time_ratio = [r["mindspeed_hf"]["step"] / r["plain HF"]["step"] for r in runs]
-    mem_ratio = [r["mindspeed_hf"]["peak_bytes"] / r["plain HF"]["peak_bytes"] for r in runs]
-    lines += ["", f"step time ratio {_spread(time_ratio)}, step peak memory ratio {_spread(mem_ratio)}, "
-              f"max |loss diff| {diff:.2e}"]
-    return "\n".join(lines) + "\n"
+    header = (f"QLoRA (NF4, double quant, {args.dtype} compute, gradient checkpointing "
+              f"{'off' if args.no_checkpointing else 'on'}, LoRA r=8 all-linear): Qwen3 shape, vocab {args.vocab}, "
+              f"hidden {args.hidden}, {args.layers} layers, batch {args.batch} x {args.seq}, {args.steps} steps "
+              f"(first not measured), {args.repeats} process pairs, {args.threads} torch threads; backend "
+              f"{ours['backend']} ({kernels}); {quantized['modules']} quantized linears: "
+              f"{quantized['implementation']}")
+    return "\n".join([header, "", *paired_rows(runs, tuple(VARIANTS))]) + "\n"
 
 
 def main() -> None:
