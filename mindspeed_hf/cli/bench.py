@@ -1,7 +1,8 @@
 """`mindspeed-hf bench`: the same short training run without the accelerator (MINDSPEED_HF_AUTO=0, plain HF) and
 with it, each in its own process so neither sees the other's patches, in interleaved pairs (A B, B A, A B, ...),
 so that load from other work on the machine hits both sides alike. Each figure is printed as the median of the
-per-pair ratios with their min..max spread, and a verdict only where every pair's ratio lies beyond 1 +- MARGIN.
+per-pair ratios with their min..max spread, and a verdict only where every pair's ratio lies beyond 1 +- MARGIN
+(and there are at least MIN_PAIRS pairs: with fewer the spread is unknown, and nothing is judged).
 The first step of every run (one-time costs) is outside tokens/s; the median-step figures (bench_child) are what
 bursts of other work on the machine move least. Then one counted step of each side (bench_counts: operators
 dispatched, torch_npu calls, bytes saved for backward, largest tensor: deterministic, independent of load), and
@@ -23,6 +24,7 @@ from typing import Any
 RUNS = (("baseline (plain HF)", "0"), ("mindspeed_hf", "1"))
 MAX_ROWS = 20  # per-step loss rows printed
 MARGIN = 0.02  # a verdict needs every pair's ratio beyond 1 +- MARGIN
+MIN_PAIRS = 3  # fewer pairs give no spread worth judging: no verdict
 #: figure -> (metrics key, better when larger, format)
 FIGURES = {"tokens/s, median step": ("step_tokens_per_s", True, ",.0f"),
            "step time (ms), median step": ("step_time_ms", False, ".1f"),
@@ -76,12 +78,18 @@ def _ratio_row(name: str, bases: list[dict[str, Any]], fasts: list[dict[str, Any
     if stats is None:
         return name, _fmt(base, spec), _fmt(fast, spec), "n/a", "", ""
     median, low, high = stats
-    if low > 1 + MARGIN or high < 1 - MARGIN:
-        verdict = "better" if (low > 1) == larger_is_better else "worse"
-    else:
-        verdict = f"no clear difference (within {MARGIN:.0%}, or the spread straddles it)"
     spread = f"{low:.2f}..{high:.2f}" if len(bases) > 1 else "one pair: no spread"
+    verdict = _verdict(low, high, larger_is_better, len(bases))
     return name, _fmt(base, spec), _fmt(fast, spec), f"{median:.2f}x", spread, verdict
+
+
+def _verdict(low: float, high: float, larger_is_better: bool, pairs: int) -> str:
+    """better / worse only when at least MIN_PAIRS pairs all lie beyond 1 +- MARGIN; fewer pairs: not judged."""
+    if pairs < MIN_PAIRS:
+        return f"not judged: {pairs} pair(s), spread unknown (--repeats {MIN_PAIRS} or more for a verdict)"
+    if low > 1 + MARGIN or high < 1 - MARGIN:
+        return "better" if (low > 1) == larger_is_better else "worse"
+    return f"no clear difference (within {MARGIN:.0%}, or the spread straddles it)"
 
 
 def compare(bases: list[dict[str, Any]], fasts: list[dict[str, Any]]) -> str:

@@ -80,12 +80,25 @@ def test_bench_table_from_paired_metrics():
     # per-pair tokens/s ratios 1.5, 1.375, 0.833: median 1.375, and the spread straddles 1 -> no verdict
     assert "| tokens/s | 1,000 | 1,100 | 1.38x | 0.83..1.50 | no clear difference (within 2%, or the spread " in table
     near = bench.compare([base], [dict(fast, peak_memory_bytes=2 * 2**30 * 1.01)])
-    assert "| peak memory (MiB) | 2,048 | 2,068 | 1.01x | one pair: no spread | no clear difference" in near
+    assert ("| peak memory (MiB) | 2,048 | 2,068 | 1.01x | one pair: no spread | not judged: 1 pair(s), spread unknown"
+            in near)
     assert "| peak memory (MiB) | 2,048 | 1,024 | 0.50x | 0.50..0.50 | better |" in table
     assert "| max per-step loss diff |  | 1.00e-06 |  |  |  |" in table
     assert "| 2 | 2.500000 | 2.500001 | 1.00e-06 |" in table and "3 interleaved pair(s)" in table
     one = bench.compare([base], [dict(fast, tokens_per_s=900.0)])
-    assert "| tokens/s | 1,000 | 900 | 0.90x | one pair: no spread | worse |" in one
+    assert "| tokens/s | 1,000 | 900 | 0.90x | one pair: no spread | not judged: 1 pair(s), spread unknown" in one
+
+
+def test_bench_judges_no_pair_count_below_three():
+    """--repeats 1 or 2: one noisy pair (or two) is no evidence; a verdict needs 3 pairs all beyond 1 +- 2%."""
+    base = {"tokens_per_s": 1000.0, "peak_memory_bytes": 2**30, "train_runtime_s": 2.0, "losses": {"1": 3.0},
+            "model_type": "qwen3", "device": "cpu"}
+    slow = dict(base, tokens_per_s=500.0, train_runtime_s=4.0)
+    for pairs in (1, 2):
+        table = bench.compare([base] * pairs, [slow] * pairs)
+        assert "| worse |" not in table and "| better |" not in table, table
+        assert f"not judged: {pairs} pair(s), spread unknown" in table
+    assert "| tokens/s | 1,000 | 500 | 0.50x | 0.50..0.50 | worse |" in bench.compare([base] * 3, [slow] * 3)
 
 
 def test_bench_runs_interleaved_pairs(tmp_path):

@@ -1,0 +1,44 @@
+"""The package's switches: `mindspeed_hf.enable()` is the kernels (patches/apply.py) plus the Trainer wiring
+(wiring.py), all or nothing; `mindspeed_hf.disable()` undoes both.
+
+Everything enable() depends on is checked before anything changes: the releases (versions.py), the config and its
+backend, and the transformers / accelerate internals the wiring needs (seams.py). A failure at any point leaves
+every transformers symbol as it was before the call.
+"""
+
+from __future__ import annotations
+
+from ..config import MindSpeedConfig
+from ..patches import apply
+from . import seams, wiring
+
+__all__ = ["UnsupportedReleaseError", "disable", "enable"]
+
+
+class UnsupportedReleaseError(RuntimeError):
+    """The installed transformers / accelerate lack an internal the Trainer wiring cannot do without."""
+
+
+def enable(config: MindSpeedConfig | None = None) -> None:
+    """Patch the kernels into every supported family, make `config` the process config and wire
+    transformers.Trainer (so a plain Trainer / SFTTrainer behaves like MindSpeedTrainer). Idempotent.
+
+    Raises (RuntimeError / ValueError, one line naming what is wrong) before changing anything when a release is
+    outside the supported range, the config is invalid, or a Trainer internal the wiring needs is missing."""
+    was_enabled = apply.is_enabled()
+    problem = seams.problems()
+    if problem is not None:
+        raise UnsupportedReleaseError(problem)
+    apply.enable(config)
+    try:
+        wiring.install_trainer_wiring()
+    except BaseException:
+        if not was_enabled:
+            apply.disable()
+        raise
+
+
+def disable() -> None:
+    """Remove the Trainer wiring and restore every patched symbol exactly. Models keep working, unaccelerated."""
+    wiring.uninstall_trainer_wiring()
+    apply.disable()
