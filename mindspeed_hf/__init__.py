@@ -34,8 +34,8 @@ if not _logger.handlers:
 
 
 # Loaded on first use (they import torch and transformers): name -> module.
-_LAZY = {**dict.fromkeys(("active_config", "apply_to_model", "disable", "enable", "is_enabled", "report"),
-                         "mindspeed_hf.patches.apply"),
+_LAZY = {**dict.fromkeys(("active_config", "apply_to_model", "is_enabled", "report"), "mindspeed_hf.patches.apply"),
+         **dict.fromkeys(("disable", "enable"), "mindspeed_hf.trainers.enabling"),
          **dict.fromkeys(("MindSpeedTrainer", "MindSpeedTrainingArguments"), "mindspeed_hf.trainers")}
 
 
@@ -62,8 +62,11 @@ def auto_requested() -> bool:
 
 
 def auto_enable() -> None:
-    """What `import mindspeed_hf` does: enable() unless MINDSPEED_HF_AUTO=0; outside the supported releases, a
-    warning and the accelerator stays off (models run as plain Hugging Face)."""
+    """What `import mindspeed_hf` does: enable() unless MINDSPEED_HF_AUTO=0.
+
+    All or nothing: a release we cannot serve (outside the supported range, or lacking an internal the Trainer
+    wiring needs) gives one warning, and nothing is patched: models run as plain Hugging Face. A wrong setting
+    (MINDSPEED_HF_CONFIG, a MINDSPEED_HF_* variable) raises, printed as one line if nobody catches it."""
     if not auto_requested():
         return
     outside = versions.unsupported()
@@ -71,9 +74,33 @@ def auto_enable() -> None:
         _logger.warning("mindspeed_hf: %s is outside the supported range (%s); the accelerator stays off and models "
                         "run unaccelerated", "; ".join(outside), versions.describe())
         return
-    from .patches.apply import enable
+    from .trainers.enabling import UnsupportedReleaseError, enable
 
-    enable()
+    try:
+        enable()
+    except UnsupportedReleaseError as err:
+        _logger.warning("%s. The accelerator stays off: nothing was patched, models run unaccelerated", err)
+    except (ValueError, FileNotFoundError) as err:
+        _print_uncaught_as_one_line(err)
+        raise
+
+
+def _print_uncaught_as_one_line(err: BaseException) -> None:
+    """If `err` reaches the top of the program uncaught, print it as `mindspeed_hf: error: ...` alone (its traceback
+    only with MINDSPEED_HF_LOG_LEVEL=DEBUG): a settings error at import is the user's one line, not 20."""
+    if os.environ.get("MINDSPEED_HF_LOG_LEVEL", "").upper() == "DEBUG":
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind: type, value: BaseException, traceback: Any) -> None:
+        if value is not err:
+            return previous(kind, value, traceback)
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":  # every rank finds the same settings error
+            print(f"mindspeed_hf: error: {' '.join(str(value).split())} (MINDSPEED_HF_LOG_LEVEL=DEBUG shows the "
+                  "traceback)", file=sys.stderr)
+
+    sys.excepthook = excepthook
 
 
 def _is_the_command() -> bool:

@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .value_kinds import Kind, choice_list, choice_or_bool, flag, layer_selection, non_negative_int, parse_flag
+from .value_kinds import (
+    Kind,
+    choice_list,
+    choice_or_bool,
+    flag,
+    layer_selection,
+    non_negative_int,
+    parse_flag,
+    unknown_names,
+)
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -264,10 +273,10 @@ def _check_type(where: str, value: Any, expected: type | Kind) -> Any:
 def _check_keys(where: str, values: Any, valid: list[str]) -> dict[str, Any]:
     if not isinstance(values, Mapping):
         raise ValueError(f"config section {where!r} must be a mapping of {', '.join(valid)}")
-    unknown = sorted(set(values) - set(valid))
+    unknown = set(values) - set(valid)
     if unknown:
-        names = ", ".join(f"{where}.{k}" if where else k for k in unknown)
-        raise ValueError(f"unknown config key(s) {names}; valid keys: {', '.join(valid)}")
+        prefix = f"{where}." if where else ""
+        raise unknown_names("config key", (prefix + k for k in unknown), (prefix + k for k in valid))
     return dict(values)
 
 
@@ -348,9 +357,22 @@ def _parse_env_value(setting: Setting, text: str, name: str | None = None) -> An
     return value
 
 
+#: MINDSPEED_HF_* variables that are not settings of the config.
+OTHER_VARIABLES = ("MINDSPEED_HF_AUTO", "MINDSPEED_HF_CONFIG", "MINDSPEED_HF_LOG_LEVEL")
+
+
+def check_variables(env: Mapping[str, str]) -> None:
+    """A MINDSPEED_HF_* variable nobody reads is a typo: refused, naming the nearest real one."""
+    known = {s.env for s in _SETTINGS.values()} | set(OTHER_VARIABLES)
+    unknown = [name for name in env if name.startswith(ENV_PREFIX) and name not in known]
+    if unknown:
+        raise unknown_names("variable", unknown, sorted(known))
+
+
 def env_layer(env: Mapping[str, str] | None = None) -> Layer:
-    """MINDSPEED_HF_<SECTION>_<KEY> (and MINDSPEED_HF_BACKEND) variables."""
+    """MINDSPEED_HF_<SECTION>_<KEY> (and MINDSPEED_HF_BACKEND) variables; an unknown MINDSPEED_HF_* is refused."""
     env = os.environ if env is None else env
+    check_variables(env)
     found = [s for s in _SETTINGS.values() if env.get(s.env)]
     return Layer("environment (MINDSPEED_HF_*)", {s.path: _parse_env_value(s, env[s.env]) for s in found},
                  {s.path: s.env for s in found})

@@ -6,7 +6,8 @@ setting and the valid choices."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,3 +136,17 @@ def non_negative_int(unit: str = "") -> Kind:
         return number
 
     return Kind(f"an integer >= 0{f' ({unit})' if unit else ''}", check)
+
+
+def unknown_names(what: str, unknown: Iterable[str], valid: Iterable[str]) -> ValueError:
+    """One line for names nobody declared: each with the nearest valid name (or, when none is near, the valid names
+    if there are few, else where to find them), e.g. `unknown config key parallel.dpshard (did you mean
+    parallel.dp_shard?)`."""
+    valid = list(valid)
+    parts = []
+    for name in sorted(unknown):
+        near = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+        parts.append(f"{name} (did you mean {near[0]}?)" if near else name)
+    hint = f"; valid: {', '.join(valid)}" if len(valid) <= 12 else ""
+    plural = "s" if len(parts) > 1 else ""
+    return ValueError(f"unknown {what}{plural} {', '.join(parts)}{hint}")

@@ -5,6 +5,7 @@ launch environment - with one precedence: explicit arguments > MINDSPEED_HF_* > 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import yaml
@@ -114,3 +115,31 @@ def test_bad_environment_values_name_the_variable(env, message):
     with pytest.raises(ValueError) as err:
         resolve(env=env)
     assert message in str(err.value)
+
+
+def test_a_misspelled_variable_is_refused_naming_the_nearest(monkeypatch):
+    from mindspeed_hf.config import load_config
+
+    monkeypatch.setenv("MINDSPEED_HF_PARALEL_CP", "2")
+    with pytest.raises(ValueError, match=r"^unknown variable MINDSPEED_HF_PARALEL_CP \(did you mean "
+                                         r"MINDSPEED_HF_PARALLEL_CP\?\)$"):
+        load_config()
+
+
+def test_a_settings_error_at_import_is_one_line(tmp_path):
+    """`import mindspeed_hf` with a misspelled variable, a YAML typo or an unavailable backend: one line on stderr."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("parallel:\n  cp: [\n")
+    cases = {"MINDSPEED_HF_PARALEL_CP": ("2", "did you mean MINDSPEED_HF_PARALLEL_CP"),
+             "MINDSPEED_HF_CONFIG": (str(bad), "is not valid YAML (line 3, column 1)")}
+    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_HF_AUTO"}
+    env["PYTHONPATH"] = ""  # no torch_npu stand-in
+    for name, (value, expected) in cases.items():
+        done = subprocess.run([sys.executable, "-c", "import mindspeed_hf"], capture_output=True, text=True,
+                              env={**env, name: value}, timeout=300)
+        assert done.returncode == 1
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mindspeed_hf: error: ") and expected in lines[0], lines

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 import weakref
 from typing import Any
 
@@ -113,10 +114,14 @@ def _patch_family(family: ModelFamily) -> None:
 
 
 def enable(config: MindSpeedConfig | None = None) -> None:
-    """Patch every supported family and make `config` the process config (default: resolved from
-    MINDSPEED_HF_CONFIG, the MINDSPEED_HF_* variables and the defaults): the settings of every model that was not
-    given its own (a trainer gives its model the trainer's config). Idempotent; enabling again with another config
-    only changes the process config."""
+    """Patch the kernels into every supported family and make `config` the process config (default: resolved
+    from MINDSPEED_HF_CONFIG, the MINDSPEED_HF_* variables and the defaults): the settings of every model that was
+    not given its own (a trainer gives its model the trainer's config). Idempotent; enabling again with another
+    config only changes the process config.
+
+    All or nothing: the releases and the config are checked before anything changes, and a failure while
+    patching puts back everything this call patched or registered before it raises. (The package-level
+    `mindspeed_hf.enable` adds the Trainer wiring on top: trainers/enabling.py.)"""
     from .. import versions
     from ..config import load_config
 
@@ -124,36 +129,42 @@ def enable(config: MindSpeedConfig | None = None) -> None:
     if outside:
         raise RuntimeError(f"mindspeed_hf: {'; '.join(outside)} is outside the supported range "
                            f"({versions.describe()}); install a supported release")
-    _state["explicit"] = config
-    config = config or load_config()
-    registry.set_backend(config.backend)  # validated here, before any model is touched
+    given, config = config, config or load_config()
+    # before any model is touched; the error names the variable when that is where the value came from
+    registry.validate_backend_name(config.backend, "MINDSPEED_HF_BACKEND" if given is None and os.environ.get(
+        "MINDSPEED_HF_BACKEND", "").strip().lower() == config.backend else "backend")
     if not is_enabled():
-        register_attention()
-        experts.register()
-        for family in FAMILIES.values():
-            _patch_family(family)
-        from ..trainers import wiring
-
-        wiring.install_trainer_wiring()
+        try:
+            register_attention()
+            experts.register()
+            for family in FAMILIES.values():
+                _patch_family(family)
+        except BaseException:
+            _unpatch()
+            raise
+    _state["explicit"] = given
+    registry.set_backend(config.backend)
     scope.set_process_config(config)
+
+
+def _unpatch() -> None:
+    """Put back every class and module symbol enable() patched, and its registrations."""
+    _patches.restore_all()
+    unregister_attention()
+    experts.unregister()
 
 
 def disable() -> None:
     """Restore every patched symbol exactly. Models keep working, unaccelerated."""
     if not is_enabled() and not len(_patches):
         return
-    from ..trainers import wiring
-
-    wiring.uninstall_trainer_wiring()
-    _patches.restore_all()
+    _unpatch()
     for model in list(_models):
         if model.config._attn_implementation == ATTENTION_NAME:
             _set_attention(model, "sdpa")
         experts.restore(model)
         scope.detach(model)
     _models.clear()
-    unregister_attention()
-    experts.unregister()
     registry.set_backend(None)
     scope.set_process_config(None)
     _state["explicit"] = None

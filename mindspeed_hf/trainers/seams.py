@@ -2,9 +2,14 @@
 
 The integration keeps Trainer's own code paths (checkpoint writing, rotation, RNG state, best-model tracking) and
 adds ours around them; where it must replace a private method, or read or set a private attribute, the name is
-listed here with the reason. `check()` runs when the wiring is installed: a listed name that the installed release
-should have but does not fails loudly, naming the release, instead of letting HF's code run on sharded parameters.
-tests/trainer/test_seams.py checks each name against the installed packages, so a rename shows up as a failing test.
+listed here with the reason and dated against the real wheels (`since` / `until`: the first transformers release
+that has it / no longer has it, found by reading every release's trainer.py, training_args.py and distributed/).
+
+A seam with a `without` note is optional: releases that lack it take another path with the same result (the note
+says which), and the code asks `available(name)` before using it. A required seam that the installed release lacks
+makes `problems()` name it; enable() checks that before it changes anything, so an unservable release is refused with
+one line and nothing patched. tests/trainer/test_seams.py checks each name against the installed packages by its
+dates, so a rename or a wrong date shows up as a failing test.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
-__all__ = ["SEAMS", "Seam", "check", "missing"]
+__all__ = ["SEAMS", "Seam", "available", "check", "missing", "problems"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,12 @@ class Seam:
     why: str
     since: str = "4.57"  # first transformers release (in our range) that has it
     until: str | None = None  # first release that no longer has it (the seam is then not used)
+    without: str | None = None  # optional: what releases without it do instead (same result)
+
+    @property
+    def required(self) -> bool:
+        """A release within the seam's dates that lacks it cannot be served (there is no other path)."""
+        return self.without is None
 
 
 SEAMS: tuple[Seam, ...] = (
@@ -41,7 +52,7 @@ SEAMS: tuple[Seam, ...] = (
          "rotation run (checkpoints.py)"),
     Seam("_rotate_checkpoints", "method",
          "Trainer's rotation, held back until the new checkpoint is COMPLETE (later releases: rotate_checkpoints)",
-         until="5.0"),
+         until="5.2"),
     # replaced while the model is FSDP2-sharded: Trainer's versions would treat DTensors as whole tensors
     Seam("_save_optimizer_and_scheduler", "method", "optimizer shards through DCP, not one rank's torch.save"),
     Seam("_load_from_checkpoint", "method", "model shards read back through DCP"),
@@ -49,21 +60,23 @@ SEAMS: tuple[Seam, ...] = (
     Seam("_load_best_model", "method", "the best checkpoint's shards read back into the sharded model"),
     Seam("_move_model_to_device", "method", "a sharded model owns its placement (`.to()` would undo cpu_offload)"),
     Seam("_defer_fsdp_gradient_reduction", "method",
-         "gradient accumulation reduces once per step (HSDP: reduce-scatter per micro-batch, all-reduce once); "
-         "older releases reduce every micro-batch, which gives the same result", since="5.0"),
+         "gradient accumulation reduces once per step (HSDP: reduce-scatter per micro-batch, all-reduce once)",
+         since="5.23", without="every micro-batch is reduced, which gives the same result"),
     # read by Trainer's own code
     Seam("is_distributed_loading_by_transformers", "attribute",
          "set on the trainer of a sharded model: Trainer then leaves placement and gradient reduction to the model",
-         since="5.0"),
+         since="5.19", without="the accelerator's prepare_model keeps the model as sharded (fsdp._keep_sharded) and "
+                               "_move_model_to_device leaves its placement"),
     Seam("_is_fsdp_managed_module", "attribute",
          "set on a sharded model: generate() keeps the ranks in step and accumulation defers the reduction"),
     # transformers.trainer module names
     Seam("apply_liger_kernel", "module",
-         "made a no-op during train() for a model we accelerate (so Liger does not patch the same layers); older "
-         "releases apply Liger in Trainer.__init__, where use_liger_kernel with our kernels is refused", since="5.0"),
+         "made a no-op during train() for a model we accelerate (so Liger does not patch the same layers)",
+         since="5.2", without="Liger is applied in Trainer.__init__; use_liger_kernel with our kernels is refused"),
     Seam("rotate_checkpoints", "module",
          "Trainer's rotation, held back during a checkpoint save until the new checkpoint is COMPLETE, so "
-         "save_total_limit never deletes the last complete checkpoint", since="5.0"),
+         "save_total_limit never deletes the last complete checkpoint", since="5.2",
+         without="the trainer's _rotate_checkpoints method is held back instead"),
     # TrainingArguments internals
     Seam("_setup_devices", "arguments",
          "recomputed once with use_cpu on CPU under torchrun, so accelerate counts every process (use_cpu is given "
@@ -126,7 +139,7 @@ def _present(seam: Seam) -> bool:
 
 
 def missing(version: Version | None = None) -> list[Seam]:
-    """The seams the installed releases should have (by `since`) but do not."""
+    """The seams the installed releases should have (by their dates) but do not, optional ones included."""
     version = version or _transformers_version()
     return [s for s in SEAMS if _in_range(s, version) and not _present(s)]
 
@@ -136,9 +149,9 @@ def _in_range(seam: Seam, version: Version) -> bool:
 
 
 def available(name: str) -> bool:
-    """True when the installed transformers has seam `name` (a seam newer than it is simply not used)."""
-    seam = next(s for s in SEAMS if s.name == name)
-    return _in_range(seam, _transformers_version()) and _present(seam)
+    """True when the installed release has seam `name` (feature detection; an optional seam is otherwise not
+    used, and its `without` path runs)."""
+    return _present(next(s for s in SEAMS if s.name == name))
 
 
 def _owner(seam: Seam) -> str:
@@ -149,12 +162,19 @@ def _owner(seam: Seam) -> str:
     return f"{package} {importlib.import_module(package).__version__}"
 
 
+def problems() -> str | None:
+    """One line naming every required seam the installed releases lack (None when all are there). Changes nothing:
+    enable() asks before it patches anything."""
+    gone = [s for s in missing() if s.required]
+    if not gone:
+        return None
+    names = "; ".join(f"{_owner(s)} no longer has {s.name} ({s.why})" for s in gone)
+    return (f"mindspeed_hf: {names}; this release of mindspeed_hf supports transformers 4.57 to 5.x and accelerate "
+            "1.10 to 1.x - install one of those, or set MINDSPEED_HF_AUTO=0 to run without the accelerator")
+
+
 def check() -> None:
-    """Fail loudly, naming the package and release, when a seam is gone (called when the Trainer wiring is
-    installed)."""
-    gone = missing()
-    if gone:
-        names = "; ".join(f"{_owner(s)} no longer has {s.name} ({s.why})" for s in gone)
-        raise RuntimeError(f"mindspeed_hf: {names}; this release of mindspeed_hf supports transformers 4.57 to 5.x "
-                           "and accelerate 1.10 to 1.x - install one of those, or set MINDSPEED_HF_AUTO=0 to run "
-                           "without the accelerator")
+    """Raise RuntimeError with problems() when a required seam is gone."""
+    message = problems()
+    if message is not None:
+        raise RuntimeError(message)

@@ -22,9 +22,11 @@ from transformers import Trainer, TrainingArguments
 from ..config import MindSpeedConfig, ResolvedConfig
 from ..memory.recompute import absorb_hf_checkpointing
 from ..parallel.parallelize import ParallelizeOptions, parallelize
+from ..patches import apply
 from . import deepspeed, fsdp, seams
 from .arguments import resolve_for
 from .context import split_inputs
+from .enabling import enable
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -33,16 +35,12 @@ def resolve_config(args: TrainingArguments | None) -> ResolvedConfig:
     """The accelerator config for a trainer: its arguments (set mindspeed_* fields, fsdp_config,
     parallelism_config) over the process config - a config given to enable(), else the MINDSPEED_HF_*
     variables, MINDSPEED_HF_CONFIG and the accelerate launch environment (precedence: mindspeed_hf.config)."""
-    from ..patches import apply
-
     return resolve_for(args, base=apply.explicit_process_config())
 
 
 def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpeedConfig:
     """Resolve the config of `trainer` (before Trainer.__init__): it belongs to this trainer and its model, not
     to the process. Contradictions fail here, before anything is patched or built."""
-    import mindspeed_hf
-
     resolved = resolve_config(args)
     deepspeed.check_exclusive(args, resolved)  # DeepSpeed shards the model itself: not with our FSDP2 / CP / EP
     if getattr(args, "use_liger_kernel", False) and not seams.available("apply_liger_kernel"):
@@ -54,8 +52,8 @@ def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpe
     # FSDP2 request from the args, the accelerate launch environment or the config.
     trainer._mindspeed_fsdp_plan = fsdp.resolve_plan(args, resolved)
     trainer._mindspeed_fsdp = None
-    if not mindspeed_hf.is_enabled():  # the kernels are patched in once per process; settings stay per model
-        mindspeed_hf.enable()
+    if not apply.is_enabled():  # the kernels are patched in once per process; settings stay per model
+        enable()
     trainer._mindspeed_config = resolved.config
     # Trainer.__init__ has not run yet when the hook runs: keep the arguments where the hook can read them.
     trainer._mindspeed_args = args
@@ -66,10 +64,8 @@ def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpe
 def prepare_model(trainer: Trainer, model: nn.Module) -> nn.Module:
     """Attach the trainer's config to `model` (PEFT-wrapped too) and run `parallelize` on it (recompute, and the
     mesh + FSDP2 when asked for); record and log what applied."""
-    import mindspeed_hf
-
     config: MindSpeedConfig = trainer._mindspeed_config
-    report = mindspeed_hf.apply_to_model(model, config)
+    report = apply.apply_to_model(model, config)
     trainer._mindspeed_report = report
     applied = [op for op, n in report.get("kernels", {}).items() if n]
     logger.info("mindspeed_hf: %s runs %s with kernels %s (backend %s); recompute %s", type(trainer).__name__,

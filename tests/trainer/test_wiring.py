@@ -88,8 +88,10 @@ def test_trainer_imported_before_mindspeed_hf_is_wired(tmp_path):
 def test_mindspeed_trainer_prepares_once_under_the_wiring(tmp_path, restore_wiring, monkeypatch):
     mindspeed_hf.enable()
     calls = []
-    original = mindspeed_hf.apply_to_model
-    monkeypatch.setattr(mindspeed_hf, "apply_to_model", lambda m, c=None: calls.append(m) or original(m, c))
+    from mindspeed_hf.patches import apply
+
+    original = apply.apply_to_model
+    monkeypatch.setattr(apply, "apply_to_model", lambda m, c=None: calls.append(m) or original(m, c))
     trainer = MindSpeedTrainer(model=tiny_model(), args=quick_args(tmp_path), train_dataset=dataset())
     assert len(calls) == 1 and trainer.mindspeed_report["kernels"]["swiglu"] == 2
 
