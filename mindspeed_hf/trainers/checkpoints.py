@@ -21,6 +21,7 @@ Hugging Face's own rule (the newest directory with trainer_state.json).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import logging
@@ -34,8 +35,8 @@ from typing import Any
 
 from ..parallel.checkpoint import COMPLETE_MARKER, _barrier, _rank, is_complete_checkpoint, mark_complete, unmark
 
-__all__ = ["CheckpointError", "begin_checkpoint_dir", "newest_resumable", "resolve_resume", "save_checkpoint",
-           "unreadable_file"]
+__all__ = ["CheckpointError", "begin_checkpoint_dir", "checkpoint_step", "newest_resumable", "resolve_resume",
+           "save_checkpoint", "tied_keys_quiet", "unreadable_file"]
 
 logger = logging.getLogger("mindspeed_hf")
 PREFIX = "checkpoint"
@@ -154,6 +155,11 @@ def newest_resumable(run_dir: str) -> str:
     Raises:
         CheckpointError: there is none.
     """
+    return _newest(run_dir)[0]
+
+
+def _newest(run_dir: str) -> tuple[str, bool]:
+    """(newest_resumable's answer, whether a newer complete checkpoint that does not read was passed over)."""
     found = _checkpoints(run_dir)
     if not found:
         raise CheckpointError(f"resume_from_checkpoint: no checkpoint-N directory in output_dir {run_dir!r}; give a "
@@ -174,40 +180,65 @@ def newest_resumable(run_dir: str) -> str:
                  "complete checkpoint", path, problem)
             broken = broken or problem
             continue
-        if broken:
-            _say(logging.WARNING, "mindspeed_hf: resuming from %s (the newest complete checkpoint that reads)", path)
-        return path
+        return path, broken is not None
     detail = f" (newest unreadable file: {broken})" if broken else ""
     raise CheckpointError(f"resume_from_checkpoint: no complete checkpoint in output_dir {run_dir!r}{detail}; "
                           "train without resume_from_checkpoint, or give a checkpoint directory")
+
+
+def _not_valid(path: str, why: str) -> CheckpointError:
+    """A refused checkpoint path; the text holds Hugging Face's own "Can't find a valid checkpoint at" (what code
+    written against plain Trainer matches on) followed by our reason."""
+    return CheckpointError(f"resume_from_checkpoint: Can't find a valid checkpoint at {path!r}: {why}")
 
 
 def check_checkpoint(path: str, sharded: bool) -> str:
     """An explicitly given checkpoint directory, checked: it exists, its save finished, its files read whole."""
     path = os.path.normpath(str(path))
     if not os.path.isdir(path):
-        raise CheckpointError(f"resume_from_checkpoint: {path!r} is not a directory")
+        raise _not_valid(path, "not a directory")
     siblings = _checkpoints(os.path.dirname(path) or ".")
     legacy = (not sharded and os.path.isfile(os.path.join(path, TRAINER_STATE))  # a run written without mindspeed_hf
               and not any(is_complete_checkpoint(p) for p in siblings))
     if not is_complete_checkpoint(path) and not legacy:
-        raise CheckpointError(f"resume_from_checkpoint: {path!r} is not a complete checkpoint (no {COMPLETE_MARKER} "
-                              "marker: an interrupted save); resume_from_checkpoint=True picks the newest complete one")
+        raise _not_valid(path, f"no {COMPLETE_MARKER} marker (an interrupted save); resume_from_checkpoint=True "
+                         "picks the newest complete one")
     problem = unreadable_file(path)
     if problem:
-        raise CheckpointError(f"resume_from_checkpoint: {problem}; resume from an earlier checkpoint, or "
-                              "resume_from_checkpoint=True for the newest one that reads")
+        raise _not_valid(path, f"{problem}; resume from an earlier checkpoint, or resume_from_checkpoint=True for "
+                         "the newest one that reads")
     return path
+
+
+def checkpoint_step(path: str) -> int | None:
+    """The global step a checkpoint was written at: its trainer_state.json, else its name (checkpoint-N)."""
+    try:
+        with open(os.path.join(path, TRAINER_STATE)) as f:
+            return int(json.load(f)["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return _step(os.path.basename(os.path.normpath(path)))
+
+
+def _say_resuming(path: str, fell_back: bool) -> None:
+    """The one line every resumed run logs: which checkpoint, at which step."""
+    step = checkpoint_step(path)
+    why = "; the newest complete checkpoint that reads" if fell_back else ""
+    _say(logging.INFO if not fell_back else logging.WARNING, "mindspeed_hf: resuming from %s (step %s%s)", path,
+         "?" if step is None else step, why)
 
 
 def resolve_resume(trainer: Any, resume: Any, sharded: bool = False) -> Any:
     """Trainer.train's resume_from_checkpoint, settled: True -> the newest complete readable checkpoint of the
-    run's output_dir; a path -> checked (marker, readable files); anything else unchanged."""
+    run's output_dir; a path -> checked (marker, readable files); anything else unchanged. A resumed run logs one
+    line: "resuming from <path> (step N)"."""
     if resume is True:
-        return newest_resumable(trainer.args.output_dir)
-    if isinstance(resume, str | os.PathLike) and str(resume):
-        return check_checkpoint(str(resume), sharded)
-    return resume
+        path, fell_back = _newest(trainer.args.output_dir)
+    elif isinstance(resume, str | os.PathLike) and str(resume):
+        path, fell_back = check_checkpoint(str(resume), sharded), False
+    else:
+        return resume
+    _say_resuming(path, fell_back)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -289,6 +320,71 @@ def save_model(trainer: Any, original: Callable, output_dir: str | None = None, 
     original(output_dir, _internal_call=_internal_call)
 
 
+# ---------------------------------------------------------------------------------------------- loading
+#: Trainer's warning after loading weights (transformers.trainer, 4.57 .. 5.x), followed by the key list.
+MISSING_KEYS = "There were missing keys in the checkpoint model loaded: "
+
+
+def tied_names(model: Any) -> dict[str, set[str]]:
+    """Parameter name -> the other names of the same tensor (tied weights: `lm_head.weight` and
+    `model.embed_tokens.weight` of a model with tie_word_embeddings); untied parameters are not listed."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return {name: set(names) - {name} for names in groups.values() if len(names) > 1 for name in names}
+
+
+class TiedKeysFilter(logging.Filter):
+    """Trainer's missing-keys warning without the keys tied to a weight that was loaded (a checkpoint stores a tied
+    tensor once: its other name is "missing" but loaded all the same); the warning is dropped when nothing else
+    is missing."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.tied = tied_names(model)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(MISSING_KEYS):
+            return True
+        try:
+            keys = list(ast.literal_eval(message[len(MISSING_KEYS):].strip().rstrip(".")))
+        except (ValueError, SyntaxError):
+            return True
+        missing = set(keys)
+        real = [k for k in keys if not (self.tied.get(k, set()) - missing)]
+        if not real:
+            return False
+        record.msg, record.args = f"{MISSING_KEYS}{real}.", ()
+        return True
+
+
+@contextlib.contextmanager
+def tied_keys_quiet(model: Any) -> Iterator[None]:
+    """While Trainer loads weights into `model`: its missing-keys warning leaves out keys tied to a loaded weight."""
+    hf_logger = logging.getLogger("transformers.trainer")
+    gate = TiedKeysFilter(model)
+    hf_logger.addFilter(gate)
+    try:
+        yield
+    finally:
+        hf_logger.removeFilter(gate)
+
+
+def load_from_checkpoint(trainer: Any, original: Callable, path: str, model: Any = None) -> None:
+    """Trainer's own `_load_from_checkpoint`, its missing-keys warning without tied keys."""
+    with tied_keys_quiet(model if model is not None else trainer.model):
+        original(path, model) if model is not None else original(path)
+
+
+def load_best_model(trainer: Any, original: Callable) -> None:
+    """Trainer's own `_load_best_model`, its missing-keys warning without tied keys."""
+    with tied_keys_quiet(trainer.model):
+        original()
+
+
 #: Trainer method name -> implementation(trainer, bound original, ...), for every run that is not FSDP2-sharded
 #: (fsdp.OVERRIDES has the sharded versions, which use the same save_checkpoint / begin_checkpoint_dir).
-PLAIN: dict[str, Callable[..., Any]] = {"_save_checkpoint": save_checkpoint, "save_model": save_model}
+PLAIN: dict[str, Callable[..., Any]] = {"_save_checkpoint": save_checkpoint, "save_model": save_model,
+                                        "_load_from_checkpoint": load_from_checkpoint,
+                                        "_load_best_model": load_best_model}
