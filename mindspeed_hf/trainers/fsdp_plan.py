@@ -8,16 +8,17 @@ work; contradictions fail with a message that names the settings.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from .. import parallel
-from ..config import ACCELERATE_SOURCE, ResolvedConfig
+from ..config import ACCELERATE_SOURCE, ParallelConfig, ResolvedConfig
 from ..value_kinds import parse_flag
 
 logger = logging.getLogger("mindspeed_hf")
@@ -152,8 +153,16 @@ def _sizes(resolved: ResolvedConfig, world: int) -> parallel.ParallelDims:
         raise ValueError(f"mindspeed_hf parallel sizes from {given}: {err}") from err
 
 
+def _asks_for_sharding(requests: list[dict[str, Any]], ours: dict[str, str], resolved: ResolvedConfig) -> bool:
+    """An FSDP request, or a parallel size set to something other than its default (a run description that lists
+    the default sizes asks for nothing)."""
+    given, default = resolved.config.parallel, ParallelConfig()
+    names = [path.rpartition(".")[2] for path in ours]
+    return bool(requests) or any(getattr(given, n) != getattr(default, n) for n in names)
+
+
 def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | None = None,
-                 world_size: int | None = None) -> FsdpPlan | None:
+                 world_size: int | None = None, announce: bool = True) -> FsdpPlan | None:
     """Whether (and how) this trainer's model is sharded with FSDP2; None leaves Trainer exactly as it is.
 
     FSDP is asked for by TrainingArguments `fsdp` (version 2), by `accelerate launch` (ACCELERATE_USE_FSDP with
@@ -162,7 +171,8 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
     its PARALLELISM_CONFIG_CP_SIZE > 1 asks for it alone (our context parallelism replaces accelerate's). Sizes
     and knobs are the resolved config's (mindspeed_hf.config gives the precedence). Raises ValueError (naming the
     settings) for FSDP version 1 together with our sizes, different versions or layer classes from two sources,
-    tensor/sequence parallel sizes, and sizes that do not tile the world.
+    tensor/sequence parallel sizes, and sizes that do not tile the world. `announce=False`: the same checks without
+    the log lines (a check made before the trainer, which says them).
     """
     env = os.environ if env is None else env
     world = world_size_from(env) if world_size is None else world_size
@@ -184,23 +194,64 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
             raise ValueError(f"{hf['source']} asks for FSDP version {hf['version']}, which cannot be combined with "
                              f"the mindspeed_hf parallel sizes {sorted(ours)} (from {', '.join(ours.values())}): "
                              "mindspeed_hf shards with FSDP2; valid choices: fsdp version 2, or no parallel sizes")
-        logger.info("mindspeed_hf: FSDP version %s is left to accelerate", hf["version"])
+        if announce:
+            logger.info("mindspeed_hf: FSDP version %s is left to accelerate", hf["version"])
         return None
     if hf is None and not ours:
         return None
     _refuse_other_axes(args, env)
     dims = _sizes(resolved, world)
     if dims.dp_replicate * dims.fsdp_size == 1:
-        logger.info("mindspeed_hf: FSDP asked for in a single process; nothing to shard")
+        if announce and _asks_for_sharding(requests, ours, resolved):
+            logger.info("mindspeed_hf: FSDP asked for in a single process; nothing to shard")
         return None
     stated_classes = {r["layer_classes"] for r in requests if r["layer_classes"]}
     if len(stated_classes) > 1:
         raise ValueError(f"{requests[0]['source']} and {requests[1]['source']} name different layer classes to "
                          f"wrap: {sorted(stated_classes)}; set transformer_layer_cls_to_wrap in one place only")
-    for request in requests:
+    for request in requests if announce else []:
         _say_what_differs(request)
     p = resolved.config.parallel
     sources = tuple(r["source"] for r in requests) + tuple(dict.fromkeys(sizes_set.values()))
     return FsdpPlan(dims.dp_replicate, dims.dp_shard, dims.cp, dims.ep, p.reshard_after_forward, p.cpu_offload,
                     p.prefetch, bool(hf and hf["cpu_ram_efficient_loading"]), sources,
                     next(iter(stated_classes), None), cp_ulysses=dims.cp_ulysses)
+
+
+# ---------------------------------------------------------------------------------------------- the DDP notice
+#: transformers' TrainingArguments notice on a CPU multi-process run without use_cpu (accelerate sees no DDP); about
+#: DDP, which a model we shard does not use.
+DDP_NOTICE = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"
+
+
+class HeldNotice(logging.Filter):
+    """Holds back transformers' DDP notice (the records kept in `held`) until it is known whether we shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith(DDP_NOTICE):
+            self.held.append(record)
+            return False
+        return True
+
+    def release(self, sharded: bool) -> None:
+        """Emit the held notice when the model is not sharded by us (it then is about the run); drop it otherwise."""
+        if not sharded:
+            for record in self.held:
+                logging.getLogger(record.name).handle(record)
+        self.held.clear()
+
+
+@contextlib.contextmanager
+def ddp_notice_held() -> Iterator[HeldNotice]:
+    """While TrainingArguments are built: transformers' DDP notice held back (`release` says what becomes of it)."""
+    gate = HeldNotice()
+    hf_logger = logging.getLogger("transformers.training_args")
+    hf_logger.addFilter(gate)
+    try:
+        yield gate
+    finally:
+        hf_logger.removeFilter(gate)
