@@ -114,7 +114,7 @@ def _check_recipe(recipe: str | None, config: str | None) -> str:
     return name
 
 
-def _train_vl(overrides: list[str], metrics_file: str | None, quality_eval: bool) -> int:
+def _train_vl(overrides: list[str], metrics_file: str | None, quality_eval: bool, run_state: dict[str, str]) -> int:
     """`mindspeed-hf train --recipe vl`: its TrainingArguments first (bad values fail before any model)."""
     _enable()
     from .train import check_resume
@@ -122,8 +122,74 @@ def _train_vl(overrides: list[str], metrics_file: str | None, quality_eval: bool
 
     args = vl_training_args(overrides)
     check_resume(args)
+    run_state["output_dir"] = str(args.output_dir)
     run_vl_training(args, metrics_file=metrics_file, quality_eval=quality_eval)
     return 0
+
+
+def _imports(config: str | None, recipe: str | None, quiet: bool) -> str:
+    """The recipe checked, the accelerator enabled and the run's stack imported; other packages' import-time
+    warnings held back unless `quiet` is False (cli/quiet.py)."""
+    from .quiet import preload, third_party_quiet
+
+    with third_party_quiet(quiet):
+        name = _check_recipe(recipe, config)
+        _enable()
+        from . import train  # noqa: F401 - imported here, inside the quiet block
+
+        preload()
+    return name
+
+
+def _train_text(config: str | None, overrides: list[str], own: argparse.Namespace, run_state: dict[str, str]) -> int:
+    """The text recipe: configuration errors are one clear line, before any model is built."""
+    from ..trainers.fsdp_plan import ddp_notice_held
+    from .run_config import load_run_config
+    from .train import check_parallel_sizes, check_resume, run_training, training_args_for
+
+    run = load_run_config(config)
+    with ddp_notice_held() as notice:  # transformers' DDP notice: not about a model we shard
+        args = training_args_for(run, overrides)
+    check_resume(args)
+    notice.release(sharded=check_parallel_sizes(run, args) is not None)
+    run_state["output_dir"] = str(args.output_dir)
+    run_training(run, args, metrics_file=own.metrics_file, quality_eval=False if own.skip_quality_eval else None)
+    return 0
+
+
+def _without_resume(argv: list[str]) -> list[str]:
+    """The command line without its --resume_from_checkpoint [PATH]."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == "--resume_from_checkpoint":
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        elif not arg.startswith("--resume_from_checkpoint="):
+            out.append(arg)
+    return out
+
+
+def _stopped(argv: list[str], output_dir: str | None) -> int:
+    """Ctrl-C: one line (rank 0) saying how to continue, and from which checkpoint; exit status 130."""
+    import shlex
+
+    from ..parallel.checkpoint import latest_complete_checkpoint
+    from ..trainers.checkpoints import checkpoint_step
+
+    if os.environ.get("RANK", "0") != "0":
+        return 130
+    found = latest_complete_checkpoint(output_dir) if output_dir else None
+    if found is None:
+        where = f" in {output_dir}" if output_dir else ""
+        print(f"mindspeed-hf train: stopped (Ctrl-C) before any checkpoint was saved{where}; nothing to resume: run "
+              "the same command to start over (--save_strategy steps --save_steps N saves checkpoints)",
+              file=sys.stderr)
+        return 130
+    again = shlex.join(["mindspeed-hf", "train", *_without_resume(argv), "--resume_from_checkpoint"])
+    print(f"mindspeed-hf train: stopped (Ctrl-C); the newest complete checkpoint is {found} (step "
+          f"{checkpoint_step(found)}); continue from it with: {again}", file=sys.stderr)
+    return 130
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -140,24 +206,21 @@ def cmd_train(argv: list[str]) -> int:
         print(USAGE)
         return 0
     _setup_logging()
+    from .quiet import wants_third_party_output
+
+    run_state: dict[str, str] = {}
 
     def work() -> int:
-        if _check_recipe(own.recipe, config) == "vl":
-            return _train_vl(overrides, own.metrics_file, not own.skip_quality_eval)
-        _enable()
-        from .run_config import load_run_config
-        from .train import check_parallel_sizes, check_resume, run_training, training_args_for
+        if _imports(config, own.recipe, not wants_third_party_output(own.debug, overrides)) == "vl":
+            return _train_vl(overrides, own.metrics_file, not own.skip_quality_eval, run_state)
+        return _train_text(config, overrides, own, run_state)
 
-        # configuration errors: one clear line, before any model is built
-        run = load_run_config(config)
-        args = training_args_for(run, overrides)
-        check_resume(args)
-        check_parallel_sizes(run, args)
-        run_training(run, args, metrics_file=own.metrics_file,
-                     quality_eval=False if own.skip_quality_eval else None)
-        return 0
-
-    return _one_line_errors("train", own.debug, work)
+    try:
+        return _one_line_errors("train", own.debug, work)
+    except KeyboardInterrupt:
+        if own.debug:
+            raise
+        return _stopped(argv, run_state.get("output_dir"))
 
 
 def cmd_bench(argv: list[str]) -> int:

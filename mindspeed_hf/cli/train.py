@@ -23,6 +23,7 @@ from ..device import detect_device_type, peak_memory_bytes, reset_peak_memory
 from ..value_kinds import parse_flag
 from .data import PaddingCollator, split_rows, tokenize_rows
 from .run_config import ModelSpec, RunConfig, build_training_args
+from .summary import applied, is_rank_zero, print_summary
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -36,9 +37,11 @@ class ThroughputCallback(TrainerCallback):
         self._mark = (time.perf_counter(), 0)
         self._after_first: tuple[float, int] | None = None
         self._end: tuple[float, int] | None = None
+        self.start_step = 0  # the global step training began at (a resumed run: its checkpoint's)
 
     def on_train_begin(self, args, state, control, **kwargs):
         reset_peak_memory(self.device_type)
+        self.start_step = state.global_step
         self._mark = (time.perf_counter(), state.num_input_tokens_seen)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -133,37 +136,27 @@ def exact_match(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, str
     return correct / len(rows)
 
 
-def _quality(trainer: Any, tokenizer: Any, rows: list[dict[str, str]], run: RunConfig) -> dict[str, float]:
+def context_parallel_size(trainer: Any) -> int:
+    """The trainer's context-parallel size (1 when its model is not split over a cp group)."""
+    plan = getattr(trainer, "_mindspeed_fsdp_plan", None)
+    return plan.cp if plan is not None else 1
+
+
+def _quality(trainer: Any, tokenizer: Any, rows: list[dict[str, str]], run: RunConfig) -> dict[str, Any]:
+    """Held-out loss (Trainer.evaluate) and the exact match of greedy answers. Under context parallelism the
+    sequence is split over the cp group and `generate` cannot run: the loss only, the exact match skipped."""
     loss = trainer.evaluate()["eval_loss"] if trainer.eval_dataset is not None else float("nan")
     prompts = rows[: run.evaluation.num_prompts]
-    acc = exact_match(trainer.model, tokenizer, prompts, run.evaluation.max_new_tokens)
+    cp = context_parallel_size(trainer)
+    if cp > 1:
+        if is_rank_zero() and not getattr(trainer, "_mindspeed_said_cp_quality", False):
+            trainer._mindspeed_said_cp_quality = True
+            logger.info("mindspeed-hf train: parallel.cp=%d: exact match skipped (greedy generation cannot run on a "
+                        "sequence split over the cp group); the held-out loss is measured", cp)
+        acc = None
+    else:
+        acc = exact_match(trainer.model, tokenizer, prompts, run.evaluation.max_new_tokens)
     return {"eval_loss": float(loss), "exact_match": acc, "num_prompts": len(prompts)}
-
-
-def _accelerator_state(result: dict[str, Any]) -> str:
-    if not result["accelerated"]:
-        return "off"
-    return "on: " + result["applied"] if result["applied"] != "nothing" else "on, but no kernel applies to this model"
-
-
-def print_summary(result: dict[str, Any]) -> None:
-    """The run's summary: before/after quality, steps, throughput, memory and where the checkpoint is."""
-    lines = [f"\nmindspeed-hf train: {result['model_type']} ({result['params'] / 1e6:.2f}M params) on "
-             f"{result['device']}, accelerator {_accelerator_state(result)}"]
-    if result.get("after"):
-        lines.append(f"{'':16}{'held-out loss':>14}{'exact match':>18}")
-        for name in [n for n in ("before", "after") if result.get(n)]:
-            q = result[name]
-            n = q["num_prompts"]
-            match = f"{round(q['exact_match'] * n)}/{n} ({100 * q['exact_match']:.1f}%)"
-            lines.append(f"{name + ' training':16}{q['eval_loss']:>14.4f}{match:>18}")
-    tps = result["tokens_per_s"]
-    lines.append(f"steps {result['steps']} in {result['train_runtime_s']:.1f} s | tokens/s "
-                 f"{tps:,.0f} | peak memory {result['peak_memory_bytes'] / 2**20:,.0f} MiB"
-                 if tps else f"steps {result['steps']} in {result['train_runtime_s']:.1f} s")
-    loader = result.get("loader", "AutoModelForCausalLM")
-    lines.append(f"checkpoint: {result['output_dir']} ({loader}.from_pretrained loads it)")
-    print("\n".join(lines), flush=True)
 
 
 def training_args_for(run: RunConfig, overrides: list[str] | None = None):
@@ -184,19 +177,21 @@ def _resume_target(value: str | None) -> str | bool | None:
         return str(value)
 
 
-def check_parallel_sizes(run: RunConfig, args: Any) -> None:
+def check_parallel_sizes(run: RunConfig, args: Any) -> Any:
     """The run's mesh sizes against the world size (WORLD_SIZE under torchrun), before any model is built: the
-    same check the trainer makes, so a wrong size is one line here instead of a traceback per rank later."""
+    same check the trainer makes (which logs what it decides), so a wrong size is one line here instead of a
+    traceback per rank later. Returns the FSDP plan (None: the model will not be sharded)."""
     import os
 
     import mindspeed_hf
 
     if not mindspeed_hf.is_enabled():
-        return
+        return None
     from ..trainers.arguments import resolve_for
     from ..trainers.fsdp_plan import resolve_plan
 
-    resolve_plan(args, resolve_for(args, base=run.mindspeed), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    return resolve_plan(args, resolve_for(args, base=run.mindspeed), world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                        announce=False)
 
 
 def check_resume(args: Any) -> None:
@@ -274,8 +269,9 @@ def collect_result(trainer: Any, output: Any, throughput: ThroughputCallback, st
         "model_type": model.config.model_type,
         "params": sum(p.numel() for p in model.parameters()),
         "report": report,
-        "applied": _applied(report),
-        "steps": output.global_step,
+        "applied": applied(report),
+        "steps": output.global_step,  # the global step (a resumed run counts its checkpoint's steps too)
+        "steps_run": output.global_step - throughput.start_step,
         "losses": {str(k): v for k, v in sorted(throughput.losses.items())},
         "train_loss": output.training_loss,
         "tokens_per_s": throughput.tokens_per_second(),
@@ -288,19 +284,8 @@ def collect_result(trainer: Any, output: Any, throughput: ThroughputCallback, st
     }
 
 
-def _applied(report: dict[str, Any]) -> str:
-    """The kernels that ran, as `op xN, ...`; a vision tower's own (report()["vision_kernels"]) after them."""
-    def listed(kernels: dict[str, int]) -> str:
-        return ", ".join(f"{op} x{n}" for op, n in kernels.items() if n)
-
-    text, vision = listed(report["kernels"]), listed(report.get("vision_kernels") or {})
-    if vision:
-        return f"{text or 'no text kernel'}; vision tower: {vision}"
-    return text or "nothing"
-
-
 def write_metrics(result: dict[str, Any], metrics_file: str | None) -> None:
-    """Write the run's metrics as JSON to `metrics_file` (nothing when it is None)."""
-    if metrics_file:
+    """Write the run's metrics as JSON to `metrics_file` (nothing when it is None; rank 0 under torchrun)."""
+    if metrics_file and is_rank_zero():
         Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
         Path(metrics_file).write_text(json.dumps(result, indent=1, default=str))

@@ -9,7 +9,7 @@ import torch
 from conftest import cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mindspeed_hf.cli import bench
+from mindspeed_hf.cli import bench, summary
 from mindspeed_hf.cli.main import main
 from mindspeed_hf.ops import registry
 
@@ -59,6 +59,9 @@ def test_train_default_run_writes_loadable_checkpoint(tmp_path):
 
     result = json.loads(metrics.read_text())
     assert result["accelerated"] and result["steps"] == 3 and len(result["losses"]) == 3
+    # the summary's kernels are what report(model) says; a run that asked for no FSDP says nothing about it
+    assert f"accelerator on: {summary.applied(result['report'])}\n" in text
+    assert "FSDP asked for" not in text
     assert result["report"]["kernels"]["fused_linear_cross_entropy"] == 1
     assert result["before"]["num_prompts"] == result["after"]["num_prompts"] == 100
 
@@ -120,9 +123,12 @@ def test_train_resume_flag_continues_the_run(tmp_path):
     common = ["train", "--skip-quality-eval", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2",
               "--lr_scheduler_type", "constant"]
 
+    said: list[str] = []
+
     def losses(out: str, *extra: str) -> dict:
         metrics = tmp_path / f"{out}-{len(extra)}.json"
-        cli([*common, "--output_dir", str(tmp_path / out), "--metrics-file", str(metrics), *extra])
+        proc = cli([*common, "--output_dir", str(tmp_path / out), "--metrics-file", str(metrics), *extra])
+        said.append(proc.stdout + proc.stderr)
         return json.loads(metrics.read_text())
 
     whole = losses("whole", "--max_steps", "6")
@@ -131,6 +137,10 @@ def test_train_resume_flag_continues_the_run(tmp_path):
     assert resumed["steps"] == 6 and sorted(resumed["losses"]) == ["5", "6"]
     for step in ("5", "6"):
         assert abs(resumed["losses"][step] - whole["losses"][step]) <= 1e-5, step
+    # what it says: where it continued from, and the steps this run ran (not the global step alone)
+    assert f"resuming from {tmp_path / 'stopped' / 'checkpoint-4'} (step 4)" in said[-1], said[-1]
+    assert resumed["steps_run"] == 2 and "\nsteps 2 (global step 6, resumed at 4) in " in said[-1], said[-1]
+    assert whole["steps_run"] == 6 and "\nsteps 6 in " in said[0]
 
 
 def test_train_resume_with_nothing_to_resume_fails_before_work(tmp_path):
