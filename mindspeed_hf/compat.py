@@ -274,5 +274,28 @@ def experts_registry() -> ExpertsRegistry | None:
     if not hasattr(moe, "ALL_EXPERTS_FUNCTIONS") or not hasattr(modeling_utils.PreTrainedModel,
                                                                  "get_correct_experts_implementation"):
         return None
+    if not _registered_experts_accepted(moe.ALL_EXPERTS_FUNCTIONS):
+        return None
     return ExpertsRegistry(moe.ALL_EXPERTS_FUNCTIONS, moe.grouped_mm_experts_forward, "grouped_mm",
                            moe._default_apply_gate)
+
+
+def _registered_experts_accepted(functions: Any) -> bool:
+    """Whether a model may choose an experts implementation registered in ALL_EXPERTS_FUNCTIONS.
+
+    transformers 5.0 .. 5.9 validate `experts_implementation` against a fixed list (eager, grouped_mm, batched_mm,
+    deepgemm) and refuse any other name; 5.10 and later accept every registered name. Probed with a name registered
+    for the call only."""
+    import types
+
+    probe = "_mindspeed_probe"
+    functions._global_mapping[probe] = functions._global_mapping.get("grouped_mm")
+    try:
+        modeling_utils.PreTrainedModel.get_correct_experts_implementation(types.SimpleNamespace(), probe)
+    except ValueError:
+        return False
+    except Exception:  # noqa: BLE001 - past the name check (a dispatch check of another implementation)
+        return True
+    finally:
+        functions._global_mapping.pop(probe, None)
+    return True

@@ -29,7 +29,7 @@ from transformers.modeling_utils import AttentionInterface
 from .. import compat
 from ..device import import_torch_npu
 from . import varlen
-from .registry import register, select
+from .registry import register, run, select
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -266,7 +266,7 @@ def attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """HF AttentionInterface function: q [B,Nq,S,D], k/v [B,Nkv,S,D] -> ([B,S,Nq,D], weights or None)."""
-    return select("attention", query.device).fn(
+    return run("attention", query.device)(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
         sliding_window=sliding_window, softcap=softcap, **kwargs,
     )

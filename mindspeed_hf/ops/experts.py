@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..device import import_torch_npu
-from .registry import register, resolve_backend, select
+from .registry import register, resolve_backend, run
 from .swiglu import swiglu_packed
 
 Gate = Callable[[torch.Tensor], torch.Tensor]
@@ -63,7 +63,7 @@ def grouped_mlp(x: torch.Tensor, counts: Sequence[int] | torch.Tensor, gate_up: 
     if x.shape[0] == 0:  # no tokens here: an empty result that still reaches the weights in backward
         width = down.shape[2] if transposed else down.shape[1]
         return x.new_zeros(0, width) + 0 * sum(w.sum() for w in weights)
-    matmul = select("experts", x.device).fn
+    matmul = run("experts", x.device)
     up_kn, down_kn = (gate_up, down) if transposed else (gate_up.transpose(1, 2), down.transpose(1, 2))
     projected = _biased(matmul(x.to(gate_up.dtype), up_kn, counts), gate_up_bias, counts)
     hidden = (apply_gate or swiglu_packed)(projected)

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..device import import_torch_npu
-from .registry import register, select
+from .registry import register, run
 
 OP = "fused_linear_cross_entropy"
 
@@ -330,6 +330,7 @@ def fused_linear_cross_entropy(
     softcap = None if not softcap else float(softcap)
 
     path = _resolve_head(lm_head_or_weight)
+    kernel: Callable = run(OP, flat.device)  # counted once per loss, whichever path computes it
     if path[0] == "module":
         module = path[1]
         rows = chunk_size or default_chunk_size(_out_features(module))
@@ -339,7 +340,6 @@ def fused_linear_cross_entropy(
         return total / divisor
 
     kind, weight, bias = path
-    kernel: Callable = select(OP, flat.device).fn
     params = [p for p in (weight, bias) if p is not None]
     with _zero3_gather(params) if kind == "zero3" else contextlib.nullcontext():
         rows = chunk_size or default_chunk_size(weight.shape[0])

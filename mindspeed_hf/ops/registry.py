@@ -37,6 +37,10 @@ _KERNELS: dict[str, dict[str, Kernel]] = {}
 _backend = {"requested": None}  # set by set_backend(); None = read MINDSPEED_HF_BACKEND on first use
 # The backend of the model that is running now (its own config's), set around its forward by patches/scope.py.
 _running_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("mindspeed_hf_backend", default=None)
+# What ran: the counter of the model that is running now (op -> executions of our kernels), set by patches/scope.py.
+_ran: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("mindspeed_hf_ran", default=None)
+# Registry ops counted under the name report() uses for them.
+_REPORTED_AS = {"swiglu_packed": "swiglu", "context_block_forward": "attention"}
 
 
 def _always() -> bool:
@@ -122,6 +126,26 @@ def select(op: str, device: torch.device | str) -> Kernel:
     if kernel is None or not kernel.available():
         kernel = kernels["torch"]
     return kernel
+
+
+def run(op: str, device: torch.device | str) -> Callable:
+    """The function that runs `op` for tensors on `device` (as `select`), counted as one execution on the running
+    model's counter (report()["ran"]: what really ran, not what was patched)."""
+    kernel = select(op, device)
+    counts = _ran.get()
+    if counts is not None:
+        name = _REPORTED_AS.get(op, op)
+        counts[name] = counts.get(name, 0) + 1
+    return kernel.fn
+
+
+def count_into(counts: dict[str, int] | None) -> contextvars.Token:
+    """Count the kernels that run until `stop_counting(token)` into `counts` (a model's own counter)."""
+    return _ran.set(counts)
+
+
+def stop_counting(token: contextvars.Token) -> None:
+    _ran.reset(token)
 
 
 def implementation(op: str, device: torch.device | str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..device import import_torch_npu
-from .registry import register, select
+from .registry import register, run
 
 
 @register("rms_norm", "torch", name="torch")
@@ -39,4 +39,4 @@ def rms_norm_liger(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bo
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
     """RMSNorm of `x` over its last dim with the backend for `x`'s device. `offset=True` scales by (1 + weight)."""
-    return select("rms_norm", x.device).fn(x, weight, eps, offset)
+    return run("rms_norm", x.device)(x, weight, eps, offset)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..device import import_torch_npu
-from .registry import register, select
+from .registry import register, run, select
 
 # npu_rotary_mul limits (torch_npu_ops.md): 4-D input, D even and < 896, B and N < 1000.
 _NPU_MAX_HEAD_DIM = 896
@@ -68,7 +68,7 @@ def apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for HF's `apply_rotary_pos_emb` (same signature), dispatched on q's device."""
-    return select("rope", q.device).fn(q, k, cos, sin, unsqueeze_dim)
+    return run("rope", q.device)(q, k, cos, sin, unsqueeze_dim)
 
 
 def multimodal_rope_tables(cos: torch.Tensor, sin: torch.Tensor, mrope_section: list[int],
@@ -108,6 +108,7 @@ def apply_rotary_pos_emb_vision(
     images), cos/sin [S, D]; computed in fp32 and cast back to q's / k's dtype, as HF does. The npu backend runs
     npu_rotary_mul on the [1, S, N, D] view; cuda and torch the same math unfused (liger's rope wants BNSD)."""
     rope_one = _rope_one_npu_bsnd if select("rope", q.device).backend == "npu" else _rope_one_torch
+    run("rope", q.device)  # counted: the fp32 vision rope below is ours on every backend
     cos, sin = (t.float()[None, :, None, :] for t in (cos, sin))
     q_out, k_out = (rope_one(x.float().unsqueeze(0), cos, sin)[0] for x in (q, k))
     return q_out.to(q.dtype), k_out.to(k.dtype)

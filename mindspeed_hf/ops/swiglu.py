@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..device import import_torch_npu
-from .registry import register, select
+from .registry import register, run
 
 
 @register("swiglu", "torch", name="torch")
@@ -46,9 +46,9 @@ def swiglu_packed_liger(gate_up: torch.Tensor) -> torch.Tensor:
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up with the backend for the tensors' device."""
-    return select("swiglu", gate.device).fn(gate, up)
+    return run("swiglu", gate.device)(gate, up)
 
 
 def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(first half) * second half of the last dim (Phi-3's fused gate_up projection)."""
-    return select("swiglu_packed", gate_up.device).fn(gate_up)
+    return run("swiglu_packed", gate_up.device)(gate_up)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..device import import_torch_npu
 from . import varlen
 from .attention import warn_fallback_once
-from .registry import register, select
+from .registry import register, run
 
 _NPU_MAX_HEAD_DIM = 768
 _NPU_MAX_HEADS = 256
@@ -89,4 +89,4 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      dropout: float = 0.0) -> torch.Tensor:
     """Full attention inside each segment of the packed patches: q/k/v [S, N, D] (TND), `cu_seqlens` the segments'
     cumulative lengths with a leading 0 (HF's vision `cu_seqlens`). Returns [S, N, D]."""
-    return select("vision_attention", q.device).fn(q, k, v, cu_seqlens, scale, dropout)
+    return run("vision_attention", q.device)(q, k, v, cu_seqlens, scale, dropout)

@@ -66,6 +66,7 @@ def _announce_on_init(original):
         original(self)
         _models.add(self)
         if getattr(self, "base_model", self) is not self:  # the top-level model, not its inner base model
+            scope.count_runs(self)
             _announce(self, report(self))
 
     return post_init
@@ -164,6 +165,7 @@ def disable() -> None:
             _set_attention(model, "sdpa")
         experts.restore(model)
         scope.detach(model)
+        model.__dict__.pop("_mindspeed_ran", None)
     _models.clear()
     registry.set_backend(None)
     scope.set_process_config(None)
@@ -310,12 +312,33 @@ def report(model: nn.Module) -> dict[str, Any]:
             "skip_logits": None if config is None or not counts["fused_linear_cross_entropy"] else
             config.kernels.skip_logits,
             "kept": kept,
+            # what really ran on this model since it was built (or accelerated): executions per op
+            "ran": {**dict.fromkeys((*_OPS, "vision_attention"), 0), **scope.ran(hf_model)} if hf_model is not None
+            else {},
             "quantized_linear": quantized.describe(model, device),
             **({"vision_kernels": vision, "vision_attention_implementation": registry.implementation(
                 "vision_attention", device)} if family is not None and family.vision_model else {}),
         }
     finally:
         registry.reset_backend(token)
+
+
+def replacements(model: nn.Module) -> dict[str, str]:
+    """Where other code has replaced our kernels since enable() (another kernel library patching the same classes
+    or module functions, or the forwards of this model's modules): `where (by package)` -> the op it replaced."""
+    found = {}
+    for patch in _patches.replaced():
+        op = _op_of(patch.value)
+        if op is not None:
+            now = vars(patch.owner).get(patch.name)
+            where = getattr(patch.owner, "__qualname__", None) or getattr(patch.owner, "__name__", str(patch.owner))
+            found[f"{where}.{patch.name} (by {getattr(now, '__module__', None) or 'unknown code'})"] = op
+    for sub in model.modules():
+        forward = vars(sub).get("forward")
+        op = _op_of(type(sub).forward)
+        if forward is not None and op is not None and _op_of(forward) is None:
+            found[f"{type(sub).__name__}.forward of the model (by {getattr(forward, '__module__', None)})"] = op
+    return found
 
 
 def _op_of(forward: Any) -> str | None:

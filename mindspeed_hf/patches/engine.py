@@ -15,6 +15,7 @@ class Patch:
     owner: Any
     name: str
     original: Any
+    value: Any = None  # what we set
 
 
 class PatchSet:
@@ -28,6 +29,7 @@ class PatchSet:
         if key not in self._patches:
             # Read the owner's own dict: an inherited attribute must be deleted, not copied, on restore.
             self._patches[key] = Patch(owner, name, vars(owner).get(name, _MISSING))
+        self._patches[key].value = value
         setattr(owner, name, value)
 
     def original(self, owner: Any, name: str) -> Any:
@@ -41,6 +43,10 @@ class PatchSet:
 
     def is_patched(self, owner: Any, name: str) -> bool:
         return (id(owner), name) in self._patches
+
+    def replaced(self) -> list[Patch]:
+        """The patches whose attribute somebody else has since replaced (`vars(owner)[name]` is no longer `value`)."""
+        return [p for p in self._patches.values() if vars(p.owner).get(p.name, _MISSING) is not p.value]
 
     def restore_all(self) -> None:
         for patch in reversed(list(self._patches.values())):

@@ -37,7 +37,8 @@ from . import forwards, scope
 logger = logging.getLogger("mindspeed_hf")
 
 EXPERTS_NAME = "mindspeed"
-UNAVAILABLE = "not applied: transformers < 5 has no experts implementation to choose (needs >= 5)"
+UNAVAILABLE = ("not applied: this transformers release has no experts implementation to choose (4.57) or accepts "
+               "only its own (5.0 to 5.9); needs >= 5.10")
 _state: dict[str, Any] = {"registered": None, "warned_old": False}
 
 

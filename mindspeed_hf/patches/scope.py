@@ -70,9 +70,13 @@ def config_of(model: nn.Module) -> MindSpeedConfig:
     return getattr(model, "_mindspeed_config", None) or _process["config"] or _DEFAULT
 
 
-def _enter(config: MindSpeedConfig) -> Callable[..., None]:
+def _enter(config: MindSpeedConfig | None, counts: dict[str, int]) -> Callable[..., None]:
+    """The pre-hook: `config` current (None: keep the current one) and the kernels that run counted into `counts`."""
+
     def hook(module: nn.Module, args: Any) -> None:
-        tokens = (_running.set(config), registry.use_backend(None if config.backend == "auto" else config.backend))
+        tokens = (registry.count_into(counts),) if config is None else (
+            registry.count_into(counts), _running.set(config),
+            registry.use_backend(None if config.backend == "auto" else config.backend))
         module.__dict__.setdefault("_mindspeed_tokens", []).append(tokens)
 
     hook._mindspeed_scope = True
@@ -82,9 +86,11 @@ def _enter(config: MindSpeedConfig) -> Callable[..., None]:
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
     stack = module.__dict__.get("_mindspeed_tokens")
     if stack:
-        config_token, backend_token = stack.pop()
-        registry.reset_backend(backend_token)
-        _running.reset(config_token)
+        tokens = stack.pop()
+        if len(tokens) == 3:
+            registry.reset_backend(tokens[2])
+            _running.reset(tokens[1])
+        registry.stop_counting(tokens[0])
 
 
 _leave._mindspeed_scope = True
@@ -113,10 +119,25 @@ def attach(hf_model: nn.Module, config: MindSpeedConfig) -> None:
     detach(hf_model)
     if config.backend != "auto":
         registry.validate_backend_name(config.backend, "backend")
+    counts = ran(hf_model)
     for module in _scoped_modules(hf_model):
-        module.register_forward_pre_hook(_enter(config))
+        module.register_forward_pre_hook(_enter(config, counts))
         module.register_forward_hook(_leave, always_call=True)
     hf_model._mindspeed_config = config
+
+
+def ran(hf_model: nn.Module) -> dict[str, int]:
+    """The model's counter of what ran: op -> executions of our kernels while it (or one of its layers) ran."""
+    return hf_model.__dict__.setdefault("_mindspeed_ran", {})
+
+
+def count_runs(hf_model: nn.Module) -> None:
+    """For a model that follows the process config (built while enabled, given to no trainer): count what runs on
+    it, without giving it a config of its own. A later attach() replaces this."""
+    if any(getattr(h, "_mindspeed_scope", False) for h in hf_model._forward_pre_hooks.values()):
+        return
+    hf_model.register_forward_pre_hook(_enter(None, ran(hf_model)))
+    hf_model.register_forward_hook(_leave, always_call=True)
 
 
 def detach(hf_model: nn.Module) -> None:

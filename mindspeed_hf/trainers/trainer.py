@@ -22,7 +22,7 @@ from transformers import Trainer, TrainingArguments
 from ..config import MindSpeedConfig, ResolvedConfig
 from ..memory.recompute import absorb_hf_checkpointing
 from ..parallel.parallelize import ParallelizeOptions, parallelize
-from ..patches import apply
+from ..patches import apply, scope
 from . import deepspeed, fsdp, seams
 from .arguments import resolve_for
 from .context import split_inputs
@@ -70,7 +70,7 @@ def prepare_model(trainer: Trainer, model: nn.Module) -> nn.Module:
     applied = [op for op, n in report.get("kernels", {}).items() if n]
     logger.info("mindspeed_hf: %s runs %s with kernels %s (backend %s); recompute %s", type(trainer).__name__,
                 type(model).__name__, ", ".join(applied) or "none", report.get("backend"),
-                "on" if config.memory.recompute else "off")
+                _recompute_state(model, config))
     plan = trainer._mindspeed_fsdp_plan
     dims = fsdp.build_dims(trainer) if plan is not None else None
     options = ParallelizeOptions(param_dtype=fsdp.low_precision(trainer._mindspeed_args) if dims else None,
@@ -81,6 +81,53 @@ def prepare_model(trainer: Trainer, model: nn.Module) -> nn.Module:
     if dims is not None:
         fsdp.log_sharded(trainer)
     return model
+
+
+def _recompute_state(model: nn.Module, config: MindSpeedConfig) -> str:
+    """What recomputes on `model`: ours (memory.recompute), HF's checkpointing switched on the model itself (as
+    LLaMA-Factory does before it builds the Trainer), or nothing."""
+    if config.memory.recompute:
+        return f"on ({config.memory.recompute_mode})"
+    hf_model = apply.find_hf_model(model)
+    if getattr(hf_model, "is_gradient_checkpointing", False):
+        return "on (Hugging Face gradient checkpointing, switched on the model)"
+    return "off"
+
+
+@contextlib.contextmanager
+def watch_kernels(trainer: Trainer) -> Iterator[None]:
+    """Around train(): afterwards, one warning when a kernel patched into the trainer's model never ran during it
+    (report()["ran"] did not move), naming the cause when it is known: a trainer whose compute_loss computes the loss
+    itself, or code that replaced our kernels. Re-entrant (MindSpeedTrainer under the wiring)."""
+    hf_model = apply.find_hf_model(trainer.model) if getattr(trainer, "model", None) is not None else None
+    if hf_model is None or getattr(trainer, "_mindspeed_watching", False) or not is_accelerated(trainer):
+        yield
+        return
+    before = dict(scope.ran(hf_model))
+    trainer._mindspeed_watching = True
+    try:
+        yield
+    finally:
+        trainer._mindspeed_watching = False
+    result = apply.report(trainer.model)
+    replaced = apply.replacements(trainer.model)
+    on = {op for op, n in result["kernels"].items() if n} | set(replaced.values())
+    idle = [op for op in result["kernels"] if op in on and result["ran"].get(op, 0) == before.get(op, 0)]
+    if idle:
+        logger.warning("mindspeed_hf: %s patched into %s but never ran during train()%s", ", ".join(idle),
+                       type(hf_model).__name__, _idle_cause(trainer, idle, replaced))
+
+
+def _idle_cause(trainer: Trainer, idle: list[str], replaced: dict[str, str]) -> str:
+    """Why patched kernels did not run, where it is known (empty when not)."""
+    causes = []
+    owner = next(c for c in type(trainer).__mro__ if "compute_loss" in vars(c))
+    if "fused_linear_cross_entropy" in idle and owner not in (Trainer, MindSpeedTrainer):
+        causes.append(f"{owner.__module__}.{owner.__qualname__}.compute_loss computes the loss itself, so the "
+                      "fused loss is not reached")
+    if replaced:
+        causes.append("replaced by other code: " + ", ".join(sorted(replaced)))
+    return (": " + "; ".join(causes)) if causes else ""
 
 
 def is_accelerated(trainer: Trainer) -> bool:
@@ -156,7 +203,7 @@ class MindSpeedTrainer(Trainer):
         """Trainer.train with Liger's patching kept off a model mindspeed_hf accelerates (and, under FSDP2,
         resume_from_checkpoint checked against the COMPLETE marker)."""
         args, kwargs = fsdp.resolve_train_call(self, args, kwargs)
-        with liger_guard(self):
+        with liger_guard(self), watch_kernels(self):
             return super().train(*args, **kwargs)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,

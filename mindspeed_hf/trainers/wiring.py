@@ -67,11 +67,11 @@ def _wrap_train(original: Callable) -> Callable:
     @functools.wraps(original)
     def train(self, *args: Any, **kwargs: Any):
         from . import fsdp
-        from .trainer import liger_guard
+        from .trainer import liger_guard, watch_kernels
 
         if not _managed(self):
             args, kwargs = fsdp.resolve_train_call(self, args, kwargs)
-        with liger_guard(self):
+        with liger_guard(self), watch_kernels(self):
             return original(self, *args, **kwargs)
 
     return train

@@ -176,3 +176,77 @@ def test_plain_trainer_reads_mindspeed_hf_config(tmp_path, monkeypatch, restore_
     assert model.is_gradient_checkpointing
     assert trainer._mindspeed_report["kernels"]["swiglu"] == 0 and trainer._mindspeed_report["kernels"]["rope"] > 0
     trainer.train()
+
+
+# ------------------------------------------------------------------------------------------ what ran
+def _rms_norms(model) -> int:
+    """RMSNorm modules, counted from the model itself (not from our report)."""
+    return sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
+
+
+def test_report_counts_what_ran_not_what_was_patched(restore_wiring):
+    mindspeed_hf.enable()
+    model = tiny_model()
+    assert mindspeed_hf.report(model)["ran"]["rms_norm"] == 0  # built, patched, not run yet
+    ids = torch.randint(1, 64, (2, 8))
+    model(input_ids=ids)
+    model(input_ids=ids)
+    ran = mindspeed_hf.report(model)["ran"]
+    assert ran["rms_norm"] == 2 * _rms_norms(model) and ran["attention"] == 2 * model.config.num_hidden_layers
+    assert ran["fused_linear_cross_entropy"] == 0  # no labels: HF's head ran
+    with mindspeed_hf.patches.scope.logits_unread_window():
+        model(input_ids=ids, labels=ids)
+    assert mindspeed_hf.report(model)["ran"]["fused_linear_cross_entropy"] == 1
+    other = tiny_model()  # counted per model
+    assert mindspeed_hf.report(other)["ran"]["rms_norm"] == 0
+
+
+def test_trainer_counts_the_fused_loss_as_run(tmp_path, restore_wiring, caplog):
+    mindspeed_hf.enable()
+    trainer = Trainer(model=tiny_model(), args=quick_args(tmp_path), train_dataset=dataset())
+    with caplog.at_level(logging.WARNING, logger="mindspeed_hf"):
+        trainer.train()
+    ran = mindspeed_hf.report(trainer.model)["ran"]
+    assert ran["fused_linear_cross_entropy"] == 2 and ran["swiglu"] >= 2 * 2
+    assert "never ran" not in caplog.text
+
+
+class OwnLossTrainer(Trainer):
+    """A trainer that computes its loss from the logits itself (as ms-swift's Seq2SeqTrainer does)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return (loss, logits) if return_outputs else loss
+
+
+def test_a_patched_kernel_that_never_ran_is_named_with_its_cause(tmp_path, restore_wiring, caplog):
+    mindspeed_hf.enable()
+    trainer = OwnLossTrainer(model=tiny_model(), args=quick_args(tmp_path), train_dataset=dataset())
+    with caplog.at_level(logging.WARNING, logger="mindspeed_hf"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if "never ran" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].startswith("mindspeed_hf: fused_linear_cross_entropy patched into Qwen3ForCausalLM but never ran")
+    assert f"{__name__}.OwnLossTrainer.compute_loss computes the loss itself" in lines[0]
+
+
+def test_a_kernel_replaced_by_other_code_is_named(tmp_path, restore_wiring, caplog, monkeypatch):
+    """Another library patching the same class after us (as LLaMA-Factory's enable_liger_kernel does) is found."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    mindspeed_hf.enable()
+    original = mindspeed_hf.patches.apply._patches.original(modeling_qwen3.Qwen3RMSNorm, "forward")
+
+    def forward(self, hidden_states):  # somebody else's kernel
+        return original(self, hidden_states)
+
+    forward.__module__ = "other_kernels.rms_norm"
+    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", forward)
+    trainer = Trainer(model=tiny_model(), args=quick_args(tmp_path), train_dataset=dataset())
+    with caplog.at_level(logging.WARNING, logger="mindspeed_hf"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if "never ran" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("mindspeed_hf: rms_norm patched into Qwen3ForCausalLM")
+    assert "Qwen3RMSNorm.forward (by other_kernels.rms_norm)" in lines[0]

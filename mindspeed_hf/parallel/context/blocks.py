@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from ...device import import_torch_npu
 from ...ops.attention import CAUSAL_SPARSE_MODE, compressed_causal_mask
-from ...ops.registry import register, select
+from ...ops.registry import register, run, select
 
 FORWARD_OP = "context_block_forward"
 BACKWARD_OP = "context_block_backward"
@@ -221,7 +221,7 @@ def npu_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, keep: t
 
 def block_forward(q, k, v, *, causal: bool, scale: float, keep: torch.Tensor | None = None):
     """(out [B,Nq,Sq,Dv] in q's dtype, lse [B,Nq,Sq] fp32) of one block on the selected backend."""
-    return select(FORWARD_OP, q.device).fn(q, k, v, causal=causal, scale=scale, keep=keep)
+    return run(FORWARD_OP, q.device)(q, k, v, causal=causal, scale=scale, keep=keep)
 
 
 def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, keep: torch.Tensor | None = None):
