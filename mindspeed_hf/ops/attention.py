@@ -354,32 +354,38 @@ def mindspeed_mask(
 
 
 _MISSING = object()
-_previous: dict[type, Any] = {}  # interface class -> what was registered under ATTENTION_NAME before us
+# (interface class, name) -> what was registered under that name before us
+_previous: dict[tuple[type, str], Any] = {}
+#: Attention implementations registered by us: name -> (attention function, mask function, what it is, for report()).
+#: ATTENTION_NAME is registered by enable(); higher floors add theirs (context parallelism's ring / Ulysses).
+OUR_ATTENTIONS: dict[str, tuple[Any, Any, str]] = {}
 
 
-def _entries():
-    return ((AttentionInterface, attention_forward), (AttentionMaskInterface, mindspeed_mask))
-
-
-def register_attention() -> None:
-    """Register attention_forward and mindspeed_mask under "mindspeed" (idempotent)."""
-    for interface, fn in _entries():
-        mapping = interface._global_mapping
-        current = mapping.get(ATTENTION_NAME, _MISSING)
+def register_attention(name: str = ATTENTION_NAME, forward: Any = None, mask: Any = None,
+                       note: str = "our attention kernel") -> None:
+    """Register an attention function and its mask function with transformers under `name` (default: ours,
+    attention_forward and mindspeed_mask, under "mindspeed"). Idempotent; unregister_attention() undoes every
+    registration exactly."""
+    forward, mask = (forward, mask) if name != ATTENTION_NAME else (attention_forward, mindspeed_mask)
+    OUR_ATTENTIONS[name] = (forward, mask, note)
+    for interface, fn in ((AttentionInterface, forward), (AttentionMaskInterface, mask)):
+        current = interface._global_mapping.get(name, _MISSING)
         if current is fn:
             continue
-        _previous[interface] = current
-        interface.register(ATTENTION_NAME, fn)
+        _previous.setdefault((interface, name), current)
+        interface.register(name, fn)
 
 
 def unregister_attention() -> None:
-    """Undo register_attention exactly: restore what was there before, or remove the entries."""
-    for interface, fn in _entries():
-        mapping = interface._global_mapping
-        if mapping.get(ATTENTION_NAME, _MISSING) is not fn:
-            continue  # not ours (never registered, or replaced by someone else since): leave it
-        previous = _previous.pop(interface, _MISSING)
-        if previous is _MISSING:
-            del mapping[ATTENTION_NAME]
-        else:
-            mapping[ATTENTION_NAME] = previous
+    """Undo every register_attention exactly: restore what was there before, or remove the entries."""
+    for name, (forward, mask, _) in list(OUR_ATTENTIONS.items()):
+        for interface, fn in ((AttentionInterface, forward), (AttentionMaskInterface, mask)):
+            previous = _previous.pop((interface, name), _MISSING)
+            mapping = interface._global_mapping
+            if mapping.get(name, _MISSING) is not fn:
+                continue  # replaced by someone else since: leave it
+            if previous is _MISSING:
+                del mapping[name]
+            else:
+                mapping[name] = previous
+        del OUR_ATTENTIONS[name]

@@ -17,7 +17,7 @@ from torch import nn
 from .. import compat
 from ..config import MindSpeedConfig
 from ..ops import registry
-from ..ops.attention import ATTENTION_NAME, register_attention, unregister_attention
+from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS, register_attention, unregister_attention
 from . import experts, forwards, multimodal, quantized, scope, third_party
 from .engine import PatchSet
 from .families import FAMILIES, ModelFamily
@@ -159,9 +159,10 @@ def disable() -> None:
     """Restore every patched symbol exactly. Models keep working, unaccelerated."""
     if not is_enabled() and not len(_patches):
         return
+    ours = set(OUR_ATTENTIONS)
     _unpatch()
     for model in list(_models):
-        if model.config._attn_implementation == ATTENTION_NAME:
+        if model.config._attn_implementation in ours:
             _set_attention(model, "sdpa")
         experts.restore(model)
         scope.detach(model)
@@ -277,7 +278,7 @@ def report(model: nn.Module) -> dict[str, Any]:
         on = {op: bool(getattr(config.kernels, op)) for op in _OPS}
         attention = hf_model.config._attn_implementation
         explicit = getattr(hf_model, "_mindspeed_explicit_attention", None)
-        if explicit is not None and attention != ATTENTION_NAME:
+        if explicit is not None and attention not in OUR_ATTENTIONS:
             kept["attention"] = f"{attention} (requested explicitly)"
         experts_classes = tuple(getattr(module, name) for name in family.experts if hasattr(module, name))
         counts["experts"] = experts.count(hf_model, experts_classes, on["experts"])
@@ -285,8 +286,8 @@ def report(model: nn.Module) -> dict[str, Any]:
         if experts_note is not None:
             kept["experts"] = experts_note
         for sub in hf_model.modules():
-            op = _op_of(vars(sub).get("forward", type(sub).forward))
-            ours = getattr(sub, "config", hf_model.config)._attn_implementation == ATTENTION_NAME
+            op = _running_op(sub)
+            ours = getattr(sub, "config", hf_model.config)._attn_implementation in OUR_ATTENTIONS
             if isinstance(sub, vision_attention):  # the tower's: counted apart (report()["vision_kernels"])
                 vision["attention"] += op is not None and on[op] and ours
                 vision["rope"] += vision_rope and on["rope"]
@@ -299,7 +300,7 @@ def report(model: nn.Module) -> dict[str, Any]:
                 counts["attention"] += ours
             elif type(sub) in mrope:
                 counts["rope"] += mrope[type(sub)] and on["rope"]
-                counts["attention"] += sub.config._attn_implementation == ATTENTION_NAME
+                counts["attention"] += sub.config._attn_implementation in OUR_ATTENTIONS
     token = registry.use_backend(None if config is None or config.backend == "auto" else config.backend)
     try:
         return {
@@ -336,9 +337,19 @@ def replacements(model: nn.Module) -> dict[str, str]:
     for sub in model.modules():
         forward = vars(sub).get("forward")
         op = _op_of(type(sub).forward)
-        if forward is not None and op is not None and _op_of(forward) is None:
+        if forward is not None and op is not None and _running_op(sub) is None:
             found[f"{type(sub).__name__}.forward of the model (by {getattr(forward, '__module__', None)})"] = op
     return found
+
+
+def _running_op(module: nn.Module) -> str | None:
+    """The op of the forward that runs for `module`: its instance forward's, or its class's when the instance
+    forward is a transparent wrapper (marked `_mindspeed_transparent`: it runs the class's forward, e.g. selective
+    recompute's)."""
+    forward = vars(module).get("forward")
+    if forward is None or getattr(forward, "_mindspeed_transparent", False):
+        return _op_of(type(module).forward)
+    return _op_of(forward)
 
 
 def _op_of(forward: Any) -> str | None:

@@ -27,6 +27,7 @@ from . import deepspeed, fsdp, seams
 from .arguments import resolve_for
 from .context import split_inputs
 from .enabling import enable
+from .wiring import release_ddp_notice
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -51,6 +52,7 @@ def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpe
                          "MINDSPEED_HF_AUTO=0 to use Liger alone")
     # FSDP2 request from the args, the accelerate launch environment or the config.
     trainer._mindspeed_fsdp_plan = fsdp.resolve_plan(args, resolved)
+    release_ddp_notice(args, sharded=trainer._mindspeed_fsdp_plan is not None)
     trainer._mindspeed_fsdp = None
     if not apply.is_enabled():  # the kernels are patched in once per process; settings stay per model
         enable()

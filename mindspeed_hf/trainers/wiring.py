@@ -162,12 +162,26 @@ def _wrap_arguments_post_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __post_init__(self) -> None:
         from . import deepspeed
+        from .fsdp_plan import ddp_notice_held
 
         deepspeed.before_arguments(self)
-        original(self)
+        with ddp_notice_held() as notice:  # released once the trainer knows whether we shard (release_ddp_notice)
+            original(self)
+        HELD_NOTICES[id(self)] = notice
         deepspeed.after_arguments(self)
 
     return __post_init__
+
+
+#: id(TrainingArguments) -> transformers' DDP notice held while they were built.
+HELD_NOTICES: dict[int, Any] = {}
+
+
+def release_ddp_notice(args: Any, sharded: bool) -> None:
+    """transformers' DDP notice for these arguments: printed when we do not shard the model, dropped when we do."""
+    notice = HELD_NOTICES.pop(id(args), None)
+    if notice is not None:
+        notice.release(sharded)
 
 
 def install_trainer_wiring() -> None:

@@ -164,3 +164,15 @@ def test_reapplying_replaces_and_selective_turns_whole_layer_checkpointing_off(c
 def test_layer_index_past_the_model_fails_naming_the_setting():
     with pytest.raises(ValueError, match=r"memory.recompute_layers=\[5\]: the model has 2 decoder layers"):
         _prepared("qwen3", {"recompute": "selective", "recompute_layers": [5]})
+
+
+def test_report_counts_the_kernels_under_selective_recompute():
+    """report()'s patched sites are the same with every part recomputed as without (its wrappers run the class
+    forwards, kernels included), and nothing is taken for a replacement of our kernels."""
+    from mindspeed_hf.patches import apply
+
+    plain = mindspeed_hf.report(_prepared("llama", None))["kernels"]
+    model = _prepared("llama", {"recompute": "selective", "recompute_modules": ["self_attn", "mlp", "norms"]})
+    assert sum(is_wrapped(m) for m in model.modules()) > 0
+    assert mindspeed_hf.report(model)["kernels"] == plain and plain["swiglu"] > 0 and plain["rms_norm"] > 0
+    assert apply.replacements(model) == {}

@@ -374,3 +374,4 @@ def test_npu_under_inference_mode(backend):
     torch.testing.assert_close(out[valid], expected[valid], atol=1e-5, rtol=1e-5)
     qkv = _qkv(batch, seq)
     _run(attention.ATTENTION_NAME, attention.attention_forward, qkv, _case("causal"))  # trains afterwards
+

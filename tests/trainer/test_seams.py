@@ -254,3 +254,20 @@ def test_seams_that_some_releases_lack_are_optional_or_dated():
     assert not by_name["is_distributed_loading_by_transformers"].required
     gone = [s.name for s in seams.missing(Version("5.6.0")) if s.required]
     assert gone == [] or Version(transformers.__version__) != Version("5.6.0")
+
+
+def test_disable_removes_every_attention_we_registered():
+    """Ours and context parallelism's ("mindspeed_cp"): transformers' registries are as before enable()."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    import mindspeed_hf
+    from mindspeed_hf.parallel.context.model import CP_ATTENTION, register_cp_attention
+
+    mindspeed_hf.disable()
+    before = [dict(i._global_mapping) for i in (AttentionInterface, AttentionMaskInterface)]
+    mindspeed_hf.enable()
+    register_cp_attention()
+    assert CP_ATTENTION in AttentionInterface._global_mapping and "mindspeed" in AttentionMaskInterface._global_mapping
+    mindspeed_hf.disable()
+    assert [dict(i._global_mapping) for i in (AttentionInterface, AttentionMaskInterface)] == before

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...ops.attention import register_attention
 from .hybrid import context_attention
 from .split import IGNORE_INDEX, shift_labels, split_batch
 from .ulysses import check_ulysses_heads
@@ -142,12 +143,9 @@ def cp_mask(*args: Any, **kwargs: Any) -> None:
 
 
 def register_cp_attention() -> None:
-    """Register cp_attention_forward and cp_mask with HF under "mindspeed_cp" (idempotent)."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(CP_ATTENTION, cp_attention_forward)
-    AttentionMaskInterface.register(CP_ATTENTION, cp_mask)
+    """Register cp_attention_forward and cp_mask with HF under "mindspeed_cp" (idempotent; disable() removes it)."""
+    register_attention(CP_ATTENTION, cp_attention_forward, cp_mask,
+                       "context parallelism (ring / Ulysses) over our attention kernel")
 
 
 # -------------------------------------------------------------------------------------------------- the model
