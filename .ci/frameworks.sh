@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The fine-tuning frameworks' own command lines with `import mindspeed_hf` in a sitecustomize, against their plain
+# runs (docs/frameworks.md). Builds the LLaMA-Factory 0.9.5 environment from scratch OUTSIDE the repository
+# (default /tmp/mindspeed_fw/llamafactory, or $FW_ROOT/llamafactory), then runs tests/frameworks in it.
+# Measured on the 2-core machine: install about 5 min, the tests about 6 min.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+FW_ROOT=${FW_ROOT:-/tmp/mindspeed_fw}
+ENV_DIR=$FW_ROOT/llamafactory
+mkdir -p "$FW_ROOT"
+start=$(date +%s)
+
+rm -rf "$ENV_DIR"
+python3 -m venv "$ENV_DIR"
+# shellcheck disable=SC1091
+source "$ENV_DIR/bin/activate"
+python -m pip install -q torch==2.13.0                       # the CPU build from local disk: always first
+# torchvision's newest release pins torch 2.14.1 (the resolver would replace torch with a CUDA build of gigabytes):
+# hold torch and take the torchvision release made for it.
+printf 'torch==2.13.0\ntorchvision==0.28.0\n' > "$FW_ROOT/constraints.txt"
+PIP_CONSTRAINT="$FW_ROOT/constraints.txt" python -m pip install -q llamafactory==0.9.5 pytest
+python -m pip install -q --no-deps -e "$REPO"
+# torchvision 0.28.0 on PyPI is the CUDA build and torchaudio has no release for torch 2.13: neither loads against
+# the CPU torch, and transformers / LLaMA-Factory import them when present. Text training needs neither:
+# remove torchvision, and leave an empty stand-in for torchaudio (llamafactory.data.mm_plugin imports it at
+# module import, for audio inputs only).
+python -m pip uninstall -y -q torchvision torchaudio
+site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+mkdir -p "$site/torchaudio"
+echo '"""Stand-in: torchaudio has no build for torch 2.13; LLaMA-Factory imports it for audio inputs only."""' \
+    > "$site/torchaudio/__init__.py"
+python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|peft|trl|datasets|llamafactory) '
+echo "== install: $(( $(date +%s) - start )) s"
+
+test_start=$(date +%s)
+python -m pytest -q tests/frameworks -p no:cacheprovider
+echo "== tests: $(( $(date +%s) - test_start )) s; total $(( $(date +%s) - start )) s"

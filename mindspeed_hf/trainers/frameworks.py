@@ -1,0 +1,198 @@
+"""Which fine-tuning framework drives a Trainer, and which of its own kernel options fight ours.
+
+The frameworks users run (LLaMA-Factory, ms-swift, axolotl, TRL) subclass transformers' Trainer, so the drop-in
+wiring reaches them unchanged. What it cannot see from the arguments is a framework's own kernel switch that
+replaced parts of the model before the trainer was built: Liger (LLaMA-Factory `enable_liger_kernel`, ms-swift
+`--use_liger_kernel` on releases whose TrainingArguments lack it, axolotl's liger plugin), unsloth (LLaMA-Factory
+`use_unsloth`, ms-swift `--tuner_backend unsloth`) and axolotl's LoRA kernels (`lora_mlp_kernel`,
+`lora_qkv_kernel`, `lora_o_kernel`). Each of those patches the modeling module or the model's modules the same
+way we do, and the last writer wins without a word. This module looks at what the model really runs (the
+functions and classes its modules use, by the package they come from), not at the flags, so a switch spelled in
+any framework or release is found; the framework's name and its flag are only used to say which setting to turn
+off. Nothing here changes the trainer or the model.
+
+    found = detect(trainer)            # Detected(name, version, conflicts, notes)
+    line = describe(trainer)           # one line, or None when there is nothing to say
+
+Everything is read defensively (getattr with defaults): a framework release that renames an attribute makes
+this report less, never fail.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+# package root of a Trainer subclass -> (framework name, distribution name for its version)
+FRAMEWORKS: dict[str, tuple[str, str]] = {
+    "llamafactory": ("LLaMA-Factory", "llamafactory"),
+    "swift": ("ms-swift", "ms-swift"),
+    "axolotl": ("axolotl", "axolotl"),
+    "trl": ("TRL", "trl"),
+}
+
+# package root of a function or class found on the model -> the kernel family it belongs to
+KERNEL_PACKAGES: dict[str, str] = {
+    "liger_kernel": "Liger",
+    "unsloth": "unsloth",
+    "unsloth_zoo": "unsloth",
+    "axolotl": "axolotl kernels",
+}
+
+# (framework, kernel family) -> the setting that turns it off, as the framework spells it
+SWITCHES: dict[tuple[str, str], str] = {
+    ("LLaMA-Factory", "Liger"): "enable_liger_kernel: false",
+    ("LLaMA-Factory", "unsloth"): "use_unsloth: false",
+    ("ms-swift", "Liger"): "--use_liger_kernel false",
+    ("ms-swift", "unsloth"): "--tuner_backend peft",
+    ("axolotl", "Liger"): "remove axolotl.integrations.liger.LigerPlugin from plugins (liger_* keys)",
+    ("axolotl", "axolotl kernels"): "lora_mlp_kernel / lora_qkv_kernel / lora_o_kernel: false",
+    ("axolotl", "unsloth"): "unsloth_* keys: false",
+}
+
+
+@dataclass
+class Detected:
+    name: str | None  # "LLaMA-Factory", "ms-swift", "axolotl", "TRL", or None (plain transformers.Trainer)
+    version: str | None = None
+    conflicts: list[str] = field(default_factory=list)  # kernels of theirs that replaced ours on this model
+    notes: list[str] = field(default_factory=list)  # what of ours does not run there, and why
+
+
+def _root(module_name: str | None) -> str:
+    return (module_name or "").split(".", 1)[0]
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(distribution)
+    except Exception:  # noqa: BLE001 - not installed as a distribution (a source checkout): no version
+        return None
+
+
+def framework_of(trainer: Any) -> tuple[str | None, str | None]:
+    """(name, version) of the framework whose Trainer subclass this is; (None, None) for a plain Trainer.
+    The most derived class decides: an ms-swift trainer built on TRL's is ms-swift."""
+    for cls in type(trainer).__mro__:
+        entry = FRAMEWORKS.get(_root(cls.__module__))
+        if entry is not None:
+            return entry[0], _version(entry[1])
+    return None, None
+
+
+def _function_module(fn: Any) -> str | None:
+    fn = getattr(fn, "__func__", fn)
+    while hasattr(fn, "__wrapped__"):  # functools.wraps chains: the innermost is who wrote the body
+        inner = fn.__wrapped__
+        if _root(getattr(fn, "__module__", None)) in KERNEL_PACKAGES:
+            break
+        fn = inner
+    return getattr(fn, "__module__", None)
+
+
+def _unwrap(model: Any) -> Any:
+    """The transformers model under PEFT / DDP / FSDP wrappers (as far as they can be seen without accelerate)."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if hasattr(model, "module") and not hasattr(model, "config"):
+            model = model.module
+        elif callable(getattr(model, "get_base_model", None)):
+            model = model.get_base_model()
+        else:
+            break
+    return model
+
+
+def foreign_kernels(model: Any) -> dict[str, set[str]]:
+    """Kernel family -> the parts of `model` that run its code: module classes defined by the kernel package
+    (LigerRMSNorm), forwards replaced on a class or an instance (Liger's lce_forward on the CausalLM, axolotl's
+    LoRA MLP on each layer's mlp), and the modeling module's rotary function."""
+    found: dict[str, set[str]] = {}
+    if model is None:
+        return found
+    hf_model = _unwrap(model)
+
+    def note(origin: str | None, what: str) -> None:
+        family = KERNEL_PACKAGES.get(_root(origin))
+        if family is not None:
+            found.setdefault(family, set()).add(what)
+
+    modules = hf_model.modules() if hasattr(hf_model, "modules") else []
+    for module in modules:
+        cls = type(module)
+        kind = cls.__name__
+        note(cls.__module__, kind)
+        note(_function_module(vars(module).get("forward", cls.forward)), f"{kind}.forward")
+        for hook in ("apply_qkv", "apply_o"):  # axolotl's LoRA attention kernels (instance methods)
+            if hook in vars(module):
+                note(_function_module(vars(module)[hook]), f"{kind}.{hook}")
+    modeling = sys.modules.get(type(hf_model).__module__)
+    rope = getattr(modeling, "apply_rotary_pos_emb", None) if modeling is not None else None
+    if rope is not None:
+        note(_function_module(rope), "apply_rotary_pos_emb")
+    return found
+
+
+def _loss_notes(trainer: Any, name: str | None) -> list[str]:
+    """Where the framework computes the loss itself, so our fused loss (which needs Trainer.compute_loss) does not
+    run; said for the trainers known to do so."""
+    notes = []
+    if name == "ms-swift":
+        from transformers import Trainer
+
+        if type(trainer).compute_loss is not Trainer.compute_loss:
+            notes.append("the fused loss does not run: ms-swift's compute_loss calls the model itself and reads "
+                         "outputs.logits for its token accuracy (the backbone kernels still run)")
+    if name == "LLaMA-Factory" and getattr(getattr(trainer, "finetuning_args", None), "use_asft_loss", False):
+        notes.append("the fused loss does not run: use_asft_loss computes the loss from the logits")
+    return notes
+
+
+def _packing_notes(trainer: Any, name: str | None, model: Any) -> list[str]:
+    """Packing / padding-free modes that key on the attention implementation's name."""
+    notes = []
+    config = getattr(_unwrap(model), "config", None)
+    attention = getattr(config, "_attn_implementation", None)
+    if name == "TRL" and getattr(trainer, "padding_free", False) and attention == "mindspeed":
+        notes.append("TRL padding_free with attention 'mindspeed': TRL's warning about non-flash attention does "
+                     "not apply (our attention is varlen: the packed rows stay apart by position_ids)")
+    if name == "ms-swift" and getattr(getattr(trainer, "template", None), "padding_free", False):
+        if attention in ("flash_attention_2", "flash_attention_3"):
+            notes.append(f"ms-swift padding_free/packing runs HF's {attention} (asked for by --attn_impl), not "
+                         "mindspeed_hf's attention")
+    return notes
+
+
+def detect(trainer: Any, model: Any = None) -> Detected:
+    """The framework driving `trainer`, the kernels of other packages found on its model that replaced ours
+    (each named with the setting that turns it off), and what of ours does not run there."""
+    name, version = framework_of(trainer)
+    model = model if model is not None else getattr(trainer, "model", None)
+    found = Detected(name, version)
+    for family, parts in sorted(foreign_kernels(model).items()):
+        switch = SWITCHES.get((name, family)) if name else None
+        if family == "Liger" and switch is None and getattr(getattr(trainer, "args", None), "use_liger_kernel", False):
+            switch = "use_liger_kernel=False"
+        shown = ", ".join(sorted(parts)[:4]) + (f" (+{len(parts) - 4})" if len(parts) > 4 else "")
+        found.conflicts.append(f"{family} replaced mindspeed_hf's kernels on {shown}"
+                               + (f" (turn off: {switch})" if switch else ""))
+    found.notes.extend(_loss_notes(trainer, name))
+    found.notes.extend(_packing_notes(trainer, name, model))
+    return found
+
+
+def describe(trainer: Any, model: Any = None) -> str | None:
+    """One line for the log: the framework and what of its options conflicts with ours; None when a plain
+    Trainer has nothing to report."""
+    found = detect(trainer, model)
+    if found.name is None and not found.conflicts and not found.notes:
+        return None
+    who = f"{found.name} {found.version}" if found.version else (found.name or "Trainer")
+    parts = found.conflicts + found.notes
+    if not parts:
+        return f"mindspeed_hf: running under {who}; no conflicting kernel options"
+    return f"mindspeed_hf: running under {who}; " + "; ".join(parts)

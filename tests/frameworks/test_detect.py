@@ -1,0 +1,87 @@
+"""mindspeed_hf.trainers.frameworks: which framework drives a Trainer and which foreign kernels replaced ours on
+its model. Runs without any framework installed: stand-in classes carry the frameworks' module names."""
+
+from __future__ import annotations
+
+import types
+
+from torch import nn
+
+from mindspeed_hf.trainers import frameworks
+
+
+def _cls(name: str, module: str, base: type = object, **body) -> type:
+    return type(name, (base,), {"__module__": module, **body})
+
+
+class _Model(nn.Module):
+    def __init__(self, *children: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(children)
+
+
+def _trainer(module: str, model: nn.Module | None = None, **attrs):
+    trainer = _cls("CustomSeq2SeqTrainer", module)()
+    trainer.model = model
+    trainer.args = types.SimpleNamespace(use_liger_kernel=False)
+    vars(trainer).update(attrs)
+    return trainer
+
+
+def test_plain_trainer_has_nothing_to_say():
+    trainer = _trainer("transformers.trainer", _Model(nn.Linear(2, 2)))
+    assert frameworks.framework_of(trainer) == (None, None)
+    assert frameworks.describe(trainer) is None
+
+
+def test_framework_named_by_its_trainer_class():
+    assert frameworks.framework_of(_trainer("llamafactory.train.sft.trainer"))[0] == "LLaMA-Factory"
+    assert frameworks.framework_of(_trainer("axolotl.core.trainers.base"))[0] == "axolotl"
+    assert frameworks.framework_of(_trainer("trl.trainer.sft_trainer"))[0] == "TRL"
+    # the most derived class decides: ms-swift's trainer built on TRL's is ms-swift
+    trl_base = _cls("SFTTrainer", "trl.trainer.sft_trainer")
+    swift = _cls("Seq2SeqTrainer", "swift.trainers.seq2seq_trainer", trl_base)()
+    assert frameworks.framework_of(swift)[0] == "ms-swift"
+
+
+def test_liger_module_on_the_model_is_a_conflict_named_with_its_switch():
+    liger_norm = _cls("LigerRMSNorm", "liger_kernel.transformers.rms_norm", nn.Module,
+                      forward=lambda self, x: x)
+    trainer = _trainer("llamafactory.train.sft.trainer", _Model(liger_norm(), nn.Linear(2, 2)))
+    found = frameworks.detect(trainer)
+    assert found.name == "LLaMA-Factory"
+    assert len(found.conflicts) == 1 and "Liger" in found.conflicts[0]
+    assert "enable_liger_kernel: false" in found.conflicts[0]
+    assert "LigerRMSNorm" in frameworks.describe(trainer)
+
+
+def test_instance_forward_replaced_by_axolotl_lora_kernel():
+    def apply_lora_mlp_swiglu(self, x):
+        return x
+
+    apply_lora_mlp_swiglu.__module__ = "axolotl.kernels.lora"
+    mlp = nn.Linear(2, 2)
+    mlp.forward = types.MethodType(apply_lora_mlp_swiglu, mlp)
+    found = frameworks.detect(_trainer("axolotl.core.trainers.base", _Model(mlp)))
+    assert found.conflicts and "axolotl kernels" in found.conflicts[0] and "lora_mlp_kernel" in found.conflicts[0]
+
+
+def test_peft_wrapper_is_looked_through():
+    liger_norm = _cls("LigerRMSNorm", "liger_kernel.transformers.rms_norm", nn.Module, forward=lambda self, x: x)
+    inner = _Model(liger_norm())
+    wrapper = nn.Module()
+    wrapper.inner = inner
+    wrapper.get_base_model = lambda: inner
+    assert "Liger" in frameworks.foreign_kernels(wrapper)
+
+
+def test_swift_compute_loss_note():
+    from transformers import Trainer
+
+    swift_cls = type("Seq2SeqTrainer", (Trainer,), {"__module__": "swift.trainers.seq2seq_trainer",
+                                                    "compute_loss": lambda self, *a, **k: None})
+    trainer = swift_cls.__new__(swift_cls)
+    trainer.model = _Model(nn.Linear(2, 2))
+    trainer.args = types.SimpleNamespace(use_liger_kernel=False)
+    found = frameworks.detect(trainer)
+    assert found.name == "ms-swift" and any("fused loss does not run" in n for n in found.notes)
