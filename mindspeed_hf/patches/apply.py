@@ -79,7 +79,11 @@ def _switch_method(owner: Any, name: str, op: str, fast: Any) -> None:
 
 
 def _patch_family(family: ModelFamily) -> None:
-    """Patch every op of the family; each patched site asks the current config whether its op is on."""
+    """Patch every op of the family; each patched site asks the current config whether its op is on. A
+    third-party family is patched when its module is imported (now, or whenever the user imports it)."""
+    if family.modeling and _modeling(family) is None:
+        third_party.when_imported(family.modeling, lambda _: _patch_family(family))
+        return
     module = _modeling(family)
     if module is None:
         return
@@ -149,7 +153,8 @@ def enable(config: MindSpeedConfig | None = None) -> None:
 
 
 def _unpatch() -> None:
-    """Put back every class and module symbol enable() patched, and its registrations."""
+    """Put back every class and module symbol enable() patched, and its registrations and import watches."""
+    third_party.stop_watching()
     _patches.restore_all()
     unregister_attention()
     experts.unregister()

@@ -9,6 +9,8 @@ rope kernel applies to any input."""
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -23,6 +25,64 @@ from .forwards import tag
 def imported_module(path: str) -> ModuleType | None:
     """The module at `path` if its package was already imported by the user, else None (never imports it)."""
     return sys.modules.get(path)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """A finder that finds nothing itself: for the watched module names it lets the other finders find the module
+    and wraps their loader, so that `callback(module)` runs right after the module's code ran (whatever imports it:
+    the user's `import qwen_tts`, before or after ours)."""
+
+    def __init__(self) -> None:
+        self.watched: dict[str, Callable[[ModuleType], None]] = {}
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        callback = self.watched.get(name)
+        if callback is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _CallbackLoader(spec.loader, callback)
+                return spec
+        return None
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    """The module's own loader, then the callback."""
+
+    def __init__(self, loader: Any, callback: Callable[[ModuleType], None]) -> None:
+        self.loader, self.callback = loader, callback
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.callback(module)
+
+
+_finder = _AfterImport()
+
+
+def when_imported(path: str, callback: Callable[[ModuleType], None]) -> None:
+    """`callback(module)` once the module at `path` is imported: now if it already is, else right after its import
+    (never imports it). Undone by `stop_watching()`."""
+    module = imported_module(path)
+    if module is not None:
+        callback(module)
+        return
+    _finder.watched[path] = callback
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+def stop_watching() -> None:
+    """Forget every `when_imported` request and take the finder off sys.meta_path."""
+    _finder.watched.clear()
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
 
 
 def mrope_function(original: Callable) -> Callable:

@@ -149,3 +149,26 @@ def test_module_imported_after_enable_is_patched_when_its_model_is_applied(monke
     assert report["kernels"]["rms_norm"] == 18 and report["kernels"]["rope"] == 4
     mindspeed_hf.disable()
     assert MODELING.Qwen3TTSRMSNorm.forward is ORIGINAL_NORM
+
+
+def test_qwen_tts_imported_after_mindspeed_hf_is_patched_on_import(tmp_path):
+    """`import mindspeed_hf` first, `import qwen_tts` afterwards (a fresh process): the model built then runs our
+    kernels with no Trainer or apply_to_model involved."""
+    import os
+    import subprocess
+
+    script = tmp_path / "after.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path[:0] = [{str(REPO / 'tests')!r}, {str(REPO / 'examples' / 'qwen3_tts')!r}]\n"
+        "import mindspeed_hf\n"
+        "assert mindspeed_hf.is_enabled() and 'qwen_tts' not in sys.modules\n"
+        "from qwen_tts_loader import import_qwen_tts\n"
+        "import_qwen_tts()\n"
+        "from tiny_models import tiny_tts_model\n"
+        "report = mindspeed_hf.report(tiny_tts_model())\n"
+        "print(report['kernels']['rms_norm'], report['kernels']['rope'])\n")
+    env = {**os.environ, "MINDSPEED_HF_AUTO": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["18", "4"], done.stdout

@@ -37,3 +37,22 @@ def test_enable_does_not_import_qwen_tts(monkeypatch):
 def test_transformers_5_is_refused_with_the_reason():
     with pytest.raises(RuntimeError, match=r"needs transformers 4\.57\.x .*cache= instead of past_key_values="):
         import_qwen_tts()
+
+
+def test_a_third_party_module_is_patched_when_it_is_imported(tmp_path, monkeypatch):
+    """The import watch behind third-party families: the callback runs right after the module's code, only for the
+    watched name, and stop_watching() leaves sys.meta_path as it was."""
+    from mindspeed_hf.patches import third_party
+
+    (tmp_path / "msfake_modeling.py").write_text("class Norm:\n    def forward(self):\n        return 'theirs'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    finders = list(sys.meta_path)
+    seen = []
+    third_party.when_imported("msfake_modeling", lambda module: seen.append(module.Norm.forward(None)))
+    assert seen == [] and "msfake_modeling" not in sys.modules
+    import msfake_modeling  # noqa: F401
+
+    assert seen == ["theirs"]
+    third_party.stop_watching()
+    assert sys.meta_path == finders
+    monkeypatch.delitem(sys.modules, "msfake_modeling")
