@@ -23,6 +23,22 @@ from mindspeed_hf.ops import registry  # noqa: E402
 
 logging.getLogger("mindspeed_hf").propagate = True  # let caplog see the package's records
 
+# The long tests: multi-process runs under torchrun, whole example / recipe / benchmark runs, crash-and-resume
+# loops, the fine-tuning frameworks. The README's quick command leaves them out (`-m "not slow"`); .ci/run runs all.
+SLOW = ("distributed/", "frameworks/", "trainer/test_crash_resume.py", "trainer/test_examples.py",
+        "trainer/test_vl_recipe.py", "trainer/test_qwen3_tts_example.py", "trainer/test_bench_cli.py",
+        "trainer/test_bench_gpu_check.py", "trainer/test_bench_counts.py")
+QUICK = ("distributed/test_context_split.py", "distributed/test_deepspeed_refusal.py",
+         "distributed/test_parallel_dims.py")  # in distributed/, but single-process and short
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).parent
+    for item in items:
+        where = Path(str(item.fspath)).relative_to(root).as_posix()
+        if where.startswith(SLOW) and not where.startswith(QUICK):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(autouse=True)
 def _restore_mindspeed():
