@@ -196,3 +196,19 @@ def describe(trainer: Any, model: Any = None) -> str | None:
     if not parts:
         return f"mindspeed_hf: running under {who}; no conflicting kernel options"
     return f"mindspeed_hf: running under {who}; " + "; ".join(parts)
+
+
+def log_once(trainer: Any, logger: Any, model: Any = None) -> str | None:
+    """The one call for the Trainer wiring (after Trainer.__init__): `describe` logged once per trainer, as a
+    warning when another package's kernels replaced ours, else at info. Returns the line (None: nothing said)."""
+    if getattr(trainer, "_mindspeed_framework_logged", False):
+        return None
+    found = detect(trainer, model)
+    line = describe(trainer, model)
+    try:
+        trainer._mindspeed_framework_logged = True
+    except AttributeError:  # a trainer that refuses attributes: say it every time rather than fail
+        pass
+    if line is not None:
+        (logger.warning if found.conflicts else logger.info)(line)
+    return line

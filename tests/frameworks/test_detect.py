@@ -85,3 +85,16 @@ def test_swift_compute_loss_note():
     trainer.args = types.SimpleNamespace(use_liger_kernel=False)
     found = frameworks.detect(trainer)
     assert found.name == "ms-swift" and any("fused loss does not run" in n for n in found.notes)
+
+
+def test_log_once_warns_on_conflict_and_says_it_once(caplog):
+    import logging
+
+    liger_norm = _cls("LigerRMSNorm", "liger_kernel.transformers.rms_norm", nn.Module, forward=lambda self, x: x)
+    trainer = _trainer("llamafactory.train.sft.trainer", _Model(liger_norm()))
+    logger = logging.getLogger("mindspeed_hf")
+    with caplog.at_level(logging.INFO, logger="mindspeed_hf"):
+        assert "Liger" in frameworks.log_once(trainer, logger)
+        assert frameworks.log_once(trainer, logger) is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "Liger" in r.getMessage()]
+    assert len(warnings) == 1
