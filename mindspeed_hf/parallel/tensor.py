@@ -1,0 +1,366 @@
+"""Tensor parallelism (TP): Megatron-style column / row sharding from the family's own plan, sequence parallelism.
+
+``apply_tensor_parallel(model, tp_mesh)`` shards a transformers causal LM over the 1-D ``tp`` mesh with torch's
+``parallelize_module`` and DTensor, reading which projection is column- and which row-parallel from the model's
+``config.base_model_tp_plan`` (llama, qwen3, qwen3_moe, ... in transformers 5.24):
+
+* ``colwise`` (q/k/v, gate/up): weight ``Shard(0)``, plain replicated input, the LOCAL output slice (heads or
+  intermediate features of this rank; HF's attention views it with ``-1`` heads, so it sees its local heads);
+* ``rowwise`` (o, down): weight ``Shard(1)``, the partial sums reduced: all-reduce, or under sequence parallelism a
+  reduce-scatter onto sequence shards (a DTensor ``Shard(1)``: the residual stream);
+* ``replicated_with_grad_allreduce`` (Qwen3's per-head q_norm / k_norm): replicated weight, its gradient summed
+  over tp (each rank normalises only its heads);
+* ``moe_tp_experts`` with ``packed_colwise`` gate_up_proj / ``rowwise`` down_proj (Qwen3-MoE's fused experts): each
+  rank keeps the gate and the up slice of every expert's intermediate dim (``_StridedShard(1, split_factor=2)``)
+  and the matching down slice (``Shard(2)``); the router is replicated, the partial outputs all-reduced, the
+  gradients of the (replicated) tokens and routing weights all-reduced;
+* embeddings: vocab-parallel (``Shard(0)``, masked lookup, partial sums reduced); lm_head: HF's own class plan
+  ``colwise_gather_output`` (weight ``Shard(0)``, the logits of each loss chunk gathered over the vocab shards).
+
+The loss: the chunked fused loss (ops/fused_linear_cross_entropy.py) takes the lm_head as a MODULE (its weight is a
+DTensor), so each chunk's logits are gathered ([chunk, V], never [tokens, V]) and the cross-entropy is the ordinary
+one. ``vocab_parallel_cross_entropy`` below is the vocab-parallel form (max, sum-exp and target logit all-reduced
+over tp, on local [rows, V/tp] logits) for the fused loss to call once it learns of tp heads.
+
+Sequence parallelism (``sequence_parallel=True``): between layers the hidden states are DTensors ``Shard(1)`` on
+tp; the residual-stream norms run on the local sequence shard with the replicated weight (their gradient summed
+over tp, as torch's SequenceParallel does); the attention and the MLP gather the sequence on entry
+(``PrepareModuleInput``); the final norm's output is gathered, so ``last_hidden_state`` is a plain full tensor.
+
+Our kernels take plain tensors: every module that runs one (norms, MLP with swiglu, attention with rope and the
+``mindspeed`` attention, experts) gets local tensors: projections return their local output
+(``use_local_output``), and the norms, router and experts run their forward with their DTensor parameters swapped
+for local views (``_LocalForward``), so the patched class forwards run unchanged on the shards.
+
+One-way, like FSDP: the parameters become DTensors and torch's styles register hooks without handles, so there
+is no ``remove_tensor_parallel``; rebuild the model to undo it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .fsdp import unwrap_hf_model
+
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan", "vocab_parallel_cross_entropy"]
+
+#: styles of base_model_tp_plan this step implements; anything else is refused before any work
+KNOWN_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts", "packed_colwise")
+_NORM = re.compile(r"^(layers\.\d+\.[^.]*norm|norm)$")
+
+
+# ---------------------------------------------------------------------------------------------- checks and plan
+def _text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_tensor_parallel(model: nn.Module, tp: int) -> dict[str, str]:
+    """The family's ``base_model_tp_plan`` (pattern -> style), checked: a one-line ValueError naming
+    ``parallel.tp`` and the valid choices when the heads (or intermediate sizes) do not divide by `tp`, the model
+    has no plan, a style is unknown, or the embeddings are tied."""
+    hf_model = unwrap_hf_model(model)
+    config = _text_config(hf_model)
+    kind = type(hf_model).__name__
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ValueError(f"parallel.tp={tp}: {kind} declares no base_model_tp_plan; valid choices: parallel.tp=1")
+    unknown = sorted({s for s in plan.values() if s not in KNOWN_STYLES})
+    if unknown:
+        raise ValueError(f"parallel.tp={tp}: {kind}'s tp plan uses styles this step does not implement ({unknown});"
+                         " valid choices: parallel.tp=1")
+    sizes = {name: getattr(config, name, None) for name in
+             ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size")}
+    sizes = {k: int(v) for k, v in sizes.items() if v}
+    common = math.gcd(*sizes.values())
+    if tp < 1 or common % tp:
+        given = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(f"parallel.tp={tp} must divide the attention heads and intermediate sizes of {kind} "
+                         f"({given}); valid choices: {_divisors(common)}")
+    if getattr(config, "tie_word_embeddings", False):
+        raise ValueError(f"parallel.tp={tp}: {kind} ties lm_head to the embeddings (tie_word_embeddings=True), which "
+                         "this step shards apart (vocab-parallel embedding, gathered lm_head); valid choices: "
+                         "parallel.tp=1 for this model")
+    return plan
+
+
+def _matches(pattern: str, name: str) -> bool:
+    return re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name) is not None
+
+
+def tensor_parallel_plan(base: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Module name (inside the backbone) -> style, for every module of `base` a pattern of `plan` names. Entries
+    naming parameters (``experts.gate_up_proj``) are read by the experts style, not returned."""
+    found = {}
+    for name, _ in base.named_modules():
+        style = next((s for p, s in plan.items() if _matches(p, name)), None)
+        if style is not None:
+            found[name] = style
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- autograd pieces
+class _GradAllReduce(torch.autograd.Function):
+    """Identity forward; the gradient summed over `group` (a replicated input whose users each saw a part)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumForward(torch.autograd.Function):
+    """The partial outputs of the ranks summed over `group`; the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+# ---------------------------------------------------------------------------------------------- local forwards
+@dataclass(frozen=True)
+class _TpState:
+    """How a module's forward runs on local tensors (installed on the instance by ``_LocalForward``)."""
+
+    mesh: DeviceMesh
+    original: Callable  # the forward it had (the patched class forward when mindspeed_hf is enabled)
+    reduce_grad: bool = False  # parameter gradients summed over tp (norms on sequence shards or on local heads)
+    sequence_input: bool = False  # input: a DTensor Shard(1) (sequence parallelism)
+    output: str = "local"  # "local", "shard" (DTensor Shard(1)) or "gather" (plain full sequence)
+    experts: bool = False  # tokens / routing weights replicated in, partial outputs summed out
+
+
+@contextlib.contextmanager
+def _local_params(module: nn.Module, group: dist.ProcessGroup, reduce_grad: bool) -> Iterator[None]:
+    """Inside: the module's DTensor parameters are their local tensors (autograd-connected to them)."""
+    saved = dict(module._parameters)
+    try:
+        for name, param in saved.items():
+            if isinstance(param, DTensor):
+                local = param.to_local()
+                if reduce_grad and param.requires_grad and torch.is_grad_enabled():
+                    local = _GradAllReduce.apply(local, group)
+                module._parameters[name] = local
+        yield
+    finally:
+        module._parameters.update(saved)
+
+
+def _local_forward(self: nn.Module, *args, **kwargs):
+    """A forward run on local tensors: see ``_TpState``."""
+    state: _TpState = self._mindspeed_tp
+    group = state.mesh.get_group()
+    x, *rest = args
+    global_x = x if isinstance(x, DTensor) else None
+    if global_x is not None:
+        x = global_x.to_local()
+    if state.experts and torch.is_grad_enabled():
+        x = _GradAllReduce.apply(x, group)
+        if len(rest) >= 2:
+            rest[1] = _GradAllReduce.apply(rest[1], group)
+    with _local_params(self, group, state.reduce_grad):
+        out = state.original(x, *rest, **kwargs)
+    if state.experts:
+        return _SumForward.apply(out, group)
+    if global_x is None or state.output == "local":
+        return out
+    out = DTensor.from_local(out, state.mesh, global_x.placements, run_check=False, shape=global_x.shape,
+                             stride=global_x.stride())
+    return out if state.output == "shard" else out.redistribute(placements=[Replicate()]).to_local()
+
+
+def _shard_experts(module: nn.Module, mesh: DeviceMesh) -> None:
+    """gate_up_proj [E, 2I, H]: this rank's slice of the gate half and of the up half (``_StridedShard(1, 2)``);
+    down_proj [E, H, I]: ``Shard(2)``. The full tensors come from rank 0 (as torch's styles distribute them)."""
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    gate_up, down = module.gate_up_proj, module.down_proj
+    full = gate_up.detach().clone()
+    dist.broadcast(full, src=dist.get_global_rank(mesh.get_group(), 0), group=mesh.get_group())
+    halves = [h.chunk(tp, dim=1)[rank] for h in full.chunk(2, dim=1)]
+    local = torch.cat(halves, dim=1).contiguous()
+    sharded = DTensor.from_local(local, mesh, [_StridedShard(1, split_factor=2)], run_check=False,
+                                 shape=gate_up.shape, stride=gate_up.stride())
+    module.gate_up_proj = nn.Parameter(sharded, requires_grad=gate_up.requires_grad)
+    module.down_proj = nn.Parameter(distribute_tensor(down.detach(), mesh, [Shard(2)]),
+                                    requires_grad=down.requires_grad)
+
+
+class _LocalForward(ParallelStyle):
+    """Replicated parameters (or the experts' shards) as DTensors; the forward runs on local tensors."""
+
+    def __init__(self, **state) -> None:
+        super().__init__()
+        self.state = state
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.state.get("experts"):
+            _shard_experts(module, device_mesh)
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                replicated = distribute_tensor(param.detach(), device_mesh, [Replicate()])
+                module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module._mindspeed_tp = _TpState(device_mesh, module.forward, **self.state)
+        module.forward = types.MethodType(_local_forward, module)
+        return module
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+def _projection_style(style: str, sequence_parallel: bool) -> ParallelStyle:
+    if style == "colwise":
+        return ColwiseParallel()
+    if sequence_parallel:  # rowwise: partial sums reduce-scattered onto sequence shards
+        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return RowwiseParallel()
+
+
+def _experts_plan(plan: dict[str, str], name: str) -> None:
+    """The fused experts' parameter entries must be the layout ``_shard_experts`` implements."""
+    want = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+    for param, style in want.items():
+        got = next((s for p, s in plan.items() if _matches(p, f"{name}.{param}")), None)
+        if got != style:
+            raise ValueError(f"parallel.tp: experts {name}.{param} have tp style {got!r}, this step shards "
+                             f"{style!r} only; valid choices: parallel.tp=1 for this model")
+
+
+def _module_styles(base: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Module name (in the backbone) -> the torch parallel style applied to it."""
+    styles: dict[str, ParallelStyle] = {}
+    sp = sequence_parallel
+    for name, style in tensor_parallel_plan(base, plan).items():
+        if style == "moe_tp_experts":
+            _experts_plan(plan, name)
+            styles[name] = _LocalForward(experts=True)
+        elif style == "replicated_with_grad_allreduce":
+            styles[name] = _LocalForward(reduce_grad=True)
+        elif style in ("colwise", "rowwise"):
+            styles[name] = _projection_style(style, sp)
+    embed_out = Shard(1) if sp else Replicate()
+    styles["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_out,
+                                             use_local_output=not sp)
+    for name, _ in base.named_modules():
+        if _NORM.match(name) and name not in styles:
+            output = "gather" if name == "norm" else "shard"
+            styles[name] = _LocalForward(reduce_grad=sp, sequence_input=sp, output=output if sp else "local")
+        if sp and re.fullmatch(r"layers\.\d+\.self_attn", name):
+            styles[name] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                              desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                              use_local_output=True)
+        if sp and re.fullmatch(r"layers\.\d+\.mlp", name):
+            styles[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                              use_local_output=True)
+    return styles
+
+
+def _moe_outputs(base: nn.Module) -> dict[str, ParallelStyle]:
+    """Under sequence parallelism, a MoE block returns the full (summed) sequence: kept as sequence shards."""
+    return {name: PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+                                      use_local_output=False)
+            for name, module in base.named_modules()
+            if re.fullmatch(r"layers\.\d+\.mlp", name) and hasattr(module, "experts")}
+
+
+def _replicate_rest(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Every module still holding plain parameters (routers, ...) gets them replicated, used locally."""
+    for module in list(model.modules()):
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            parallelize_module(module, mesh, _LocalForward())
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True) -> nn.Module:
+    """Shard `model` (a transformers causal LM, or a PEFT model around one) over the 1-D `tp_mesh`, in place, and
+    return it. Checked first (``check_tensor_parallel``); the parameters must be materialised (not ``meta``).
+
+    Args:
+        model: the model; its ``config.base_model_tp_plan`` names the column- and row-parallel projections.
+        tp_mesh: the 1-D ``tp`` mesh (a sub-mesh of a larger one is fine: ``world_mesh["tp"]``).
+        sequence_parallel: keep the residual stream and its norms on sequence shards between layers.
+    """
+    hf_model = unwrap_hf_model(model)
+    plan = check_tensor_parallel(hf_model, tp_mesh.size())
+    base = hf_model.base_model
+    styles = _module_styles(base, plan, sequence_parallel)
+    parallelize_module(base, tp_mesh, styles)
+    if sequence_parallel:
+        parallelize_module(base, tp_mesh, _moe_outputs(base))
+    head = hf_model.get_output_embeddings()
+    if head is not None:  # HF's class plan: colwise_gather_output
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    _replicate_rest(hf_model, tp_mesh)
+    hf_model._mindspeed_tp_mesh = tp_mesh
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- vocab-parallel CE
+class _VocabParallelCE(torch.autograd.Function):
+    """Summed cross-entropy of local logits [n, V/tp] (this rank's vocab slice from `start`) against global
+    targets [n]: row max, sum of exp and the target logit all-reduced over `group`."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int, group: dist.ProcessGroup):
+        logits = logits.float()
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        probs = (logits - row_max.unsqueeze(-1)).exp()
+        denom = probs.sum(dim=-1)
+        dist.all_reduce(denom, group=group)
+        local = target - start
+        mine = (local >= 0) & (local < logits.shape[-1])
+        rows = torch.arange(target.numel(), device=target.device)
+        picked = torch.where(mine, logits[rows, local.clamp(0, logits.shape[-1] - 1)], 0.0)
+        dist.all_reduce(picked, group=group)
+        probs /= denom.unsqueeze(-1)
+        ctx.save_for_backward(probs, local, mine)
+        return (row_max + denom.log() - picked).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        probs, local, mine = ctx.saved_tensors
+        rows = torch.arange(local.numel(), device=local.device)[mine]
+        out = probs.clone()
+        out[rows, local[mine]] -= 1.0
+        return out * grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int,
+                                 group: dist.ProcessGroup) -> torch.Tensor:
+    """``F.cross_entropy(full_logits, target, reduction="sum")`` from this rank's vocab slice ``[n, V/tp]``
+    (columns ``start .. start + V/tp`` of the full logits); every target must be valid (filter ignored rows
+    first). Differentiable in `logits`; the gradient of each rank's slice is local (no communication)."""
+    return _VocabParallelCE.apply(logits, target, start, group)
