@@ -165,24 +165,33 @@ def _plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _save_model(trainer: Any, original: Callable, output_dir: str | None = None, _internal_call: bool = False) -> None:
-    """Inside a checkpoint save: this rank's model shards. Otherwise a directory `from_pretrained` loads (PEFT:
-    the adapter only), gathered to rank 0's host memory. Both with the tokenizer and training arguments, as
-    Trainer's own save_model writes them."""
-    from transformers.trainer import TRAINING_ARGS_NAME
+@contextlib.contextmanager
+def _weights_already_written(model: nn.Module) -> Iterator[None]:
+    """While Trainer's save_model runs: the model's `save_pretrained` (what Trainer's `_save` writes the weights
+    with, every release) writes nothing, as the weights were written already (collectively); the rest of Trainer's
+    save - processor, training arguments, push_to_hub - is its own."""
+    own = vars(model).get("save_pretrained")
+    model.save_pretrained = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.save_pretrained
+        else:
+            model.save_pretrained = own
 
+
+def _save_model(trainer: Any, original: Callable, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    """The weights, on every rank: inside a checkpoint save this rank's model shards; otherwise a directory
+    `from_pretrained` loads (PEFT: the adapter only), gathered to rank 0's host memory. Then Trainer's own
+    save_model, which writes everything else (its weight writer made a no-op)."""
     output_dir = output_dir or trainer.args.output_dir
     if checkpoints.begin_checkpoint_dir(trainer, output_dir):  # called by Trainer._save_checkpoint: staging
         parallel.save_model_shards(trainer.model, os.path.join(output_dir, MODEL_DIR))
     else:
         parallel.save_hf_consolidated(trainer.model, output_dir)
-    if trainer.args.should_save:
-        processor = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
-        if processor is not None:
-            processor.save_pretrained(output_dir)
-        torch.save(trainer.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-    if trainer.args.push_to_hub and not _internal_call:
-        trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
+    with _weights_already_written(trainer.model):
+        original(output_dir, _internal_call=_internal_call)
 
 
 def _save_optimizer_and_scheduler(trainer: Any, original: Callable, output_dir: str) -> None:
