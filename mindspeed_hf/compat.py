@@ -289,7 +289,7 @@ def _registered_experts_accepted(functions: Any) -> bool:
     import types
 
     probe = "_mindspeed_probe"
-    functions._global_mapping[probe] = functions._global_mapping.get("grouped_mm")
+    registered(functions)[probe] = registered(functions).get("grouped_mm")
     try:
         modeling_utils.PreTrainedModel.get_correct_experts_implementation(types.SimpleNamespace(), probe)
     except ValueError:
@@ -297,5 +297,41 @@ def _registered_experts_accepted(functions: Any) -> bool:
     except Exception:  # noqa: BLE001 - past the name check (a dispatch check of another implementation)
         return True
     finally:
-        functions._global_mapping.pop(probe, None)
+        registered(functions).pop(probe, None)
     return True
+
+
+# --------------------------------------------------------------------------- private names used in several modules
+# Each is a seam (trainers/seams.py, `accessor`): the name appears here and nowhere else in the package.
+
+
+def registered(interface: Any) -> dict[str, Callable]:
+    """The process-wide mapping of a transformers registry (AttentionInterface, AttentionMaskInterface,
+    ALL_EXPERTS_FUNCTIONS: `_global_mapping` of GeneralInterface, every release). Its public `register` adds; there
+    is no public way to look one name up without the defaults of an instance, or to remove one."""
+    return interface._global_mapping
+
+
+def unregister(interface: Any, name: str) -> None:
+    """Remove `name` from a registry instance: its process-wide mapping and its own (`_local_mapping`, set per
+    instance in GeneralInterface.__init__)."""
+    registered(interface).pop(name, None)
+    interface._local_mapping.pop(name, None)
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation a model with `config` runs (`config._attn_implementation`, every release;
+    None for an object without one)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def experts_implementation(config: Any) -> str | None:
+    """The experts implementation a MoE model with `config` runs (`config._experts_implementation`, transformers
+    >= 5; None on 4.57 and for a model without experts)."""
+    return getattr(config, "_experts_implementation", None)
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """An identity of a tensor storage shared by every tensor over it, as torch's own StorageWeakRef keys it
+    (`_cdata`, every torch 2.x; `data_ptr()` is not one: 0 for every empty storage)."""
+    return storage._cdata

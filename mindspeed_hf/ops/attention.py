@@ -369,7 +369,7 @@ def register_attention(name: str = ATTENTION_NAME, forward: Any = None, mask: An
     forward, mask = (forward, mask) if name != ATTENTION_NAME else (attention_forward, mindspeed_mask)
     OUR_ATTENTIONS[name] = (forward, mask, note)
     for interface, fn in ((AttentionInterface, forward), (AttentionMaskInterface, mask)):
-        current = interface._global_mapping.get(name, _MISSING)
+        current = compat.registered(interface).get(name, _MISSING)
         if current is fn:
             continue
         _previous.setdefault((interface, name), current)
@@ -381,7 +381,7 @@ def unregister_attention() -> None:
     for name, (forward, mask, _) in list(OUR_ATTENTIONS.items()):
         for interface, fn in ((AttentionInterface, forward), (AttentionMaskInterface, mask)):
             previous = _previous.pop((interface, name), _MISSING)
-            mapping = interface._global_mapping
+            mapping = compat.registered(interface)
             if mapping.get(name, _MISSING) is not fn:
                 continue  # replaced by someone else since: leave it
             if previous is _MISSING:

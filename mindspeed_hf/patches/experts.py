@@ -115,8 +115,7 @@ def register() -> None:
 def unregister() -> None:
     registry = compat.experts_registry()
     if registry is not None and _state["registered"] is not None:
-        registry.functions._global_mapping.pop(EXPERTS_NAME, None)
-        registry.functions._local_mapping.pop(EXPERTS_NAME, None)
+        compat.unregister(registry.functions, EXPERTS_NAME)
     _state["registered"] = None
 
 
@@ -137,7 +136,7 @@ def default_wrapper(original):
 
 
 def _current(hf_model: nn.Module) -> str | None:
-    return getattr(hf_model.config, "_experts_implementation", None)
+    return compat.experts_implementation(hf_model.config)
 
 
 def settle(hf_model: nn.Module, on: bool) -> None:

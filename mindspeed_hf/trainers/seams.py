@@ -1,44 +1,69 @@
-"""Every name of transformers' (and accelerate's) internals the Trainer integration depends on, in one list.
+"""Every private name of transformers, accelerate, PEFT, TRL and torch the package uses, in one list.
 
 The integration keeps Trainer's own code paths (checkpoint writing, rotation, RNG state, best-model tracking) and
-adds ours around them; where it must replace a private method, or read or set a private attribute, the name is
-listed here with the reason and dated against the real wheels (`since` / `until`: the first transformers release
-that has it / no longer has it, found by reading every release's trainer.py, training_args.py and distributed/).
+adds ours around them; where it must replace a private method, or read or set a private attribute - of the Trainer,
+of a model, config or attention registry, or of torch - the name is listed here with the reason and dated against
+the real wheels (`since` / `until`: the first release of the owning package that has it / no longer has it, found
+by reading every release's files; torch names are dated from the oldest supported torch, 2.6, and checked against
+the installed one). A private name used in more than one module goes through one accessor in mindspeed_hf/compat.py
+(`accessor`), so it appears in one place.
 
 A seam with a `without` note is optional: releases that lack it take another path with the same result (the note
-says which), and the code asks `available(name)` before using it. A required seam that the installed release lacks
-makes `problems()` name it; enable() checks that before it changes anything, so an unservable release is refused with
-one line and nothing patched. tests/trainer/test_seams.py checks each name against the installed packages by its
-dates, so a rename or a wrong date shows up as a failing test.
+says which), and the code asks `available(name)` before using it. A seam with a `feature` is used only by that
+feature (a tool, a parallelism): enable() does not ask for it. Any other seam is required: one that the installed
+release lacks makes `problems()` name it; enable() checks that before it changes anything, so an unservable release
+is refused with one line and nothing patched. tests/trainer/test_seams.py checks each name against the installed
+packages by its dates, and scans the package for private names that are not listed.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 from packaging.version import Version
 
-__all__ = ["SEAMS", "Seam", "available", "check", "missing", "problems"]
+__all__ = ["PACKAGES", "SEAMS", "Seam", "available", "check", "missing", "problems"]
+
+#: The packages whose private names may be seams.
+PACKAGES = ("transformers", "accelerate", "peft", "trl", "torch")
 
 
 @dataclass(frozen=True)
 class Seam:
-    """One internal name we use. `kind`: "method" (a Trainer method we wrap or replace), "attribute" (a name
-    Trainer's own code reads, found in its source), "module" (a name in transformers.trainer), "arguments" (a
-    TrainingArguments member), "accelerate" (an accelerate internal)."""
+    """One private name we use.
+
+    `kind`, for the Trainer: "method" (a Trainer method we wrap or replace), "attribute" (a name Trainer's own code
+    reads, found in its source), "module" (a name in transformers.trainer), "arguments" (a TrainingArguments
+    member), "accelerate" (a method of an accelerate class, `Class._name`). For any other object (a model class, a
+    config, a registry, torch), `owner` is the import path of the object that holds the name and `kind` says how to
+    find it there: "object" (an attribute of it), "instance" (an attribute of an instance made without arguments:
+    names set in `__init__`), "source" (named in the owner module's source: attributes the package sets on objects
+    at run time)."""
 
     name: str
     kind: str
     why: str
-    since: str = "4.57"  # first transformers release (in our range) that has it
+    since: str = "4.57"  # first release of `package` (in our range) that has it
     until: str | None = None  # first release that no longer has it (the seam is then not used)
     without: str | None = None  # optional: what releases without it do instead (same result)
+    package: str = "transformers"  # the package the name belongs to (PACKAGES)
+    owner: str | None = None  # import path of the object holding the name (kinds object / instance / source)
+    feature: str | None = None  # the only feature that uses it: not asked of the installed release by enable()
+    accessor: str | None = None  # the compat.py function that is the one place the name is used
+
+    @property
+    def attribute(self) -> str:
+        """The private name itself (`_global_mapping` of "AttentionInterface._global_mapping")."""
+        return self.name.rsplit(".", 1)[-1]
 
     @property
     def required(self) -> bool:
         """A release within the seam's dates that lacks it cannot be served (there is no other path)."""
-        return self.without is None
+        return self.without is None and self.feature is None
 
 
 SEAMS: tuple[Seam, ...] = (
@@ -46,7 +71,9 @@ SEAMS: tuple[Seam, ...] = (
     Seam("create_accelerator_and_postprocess", "method",
          "accelerator created without accelerate's FSDP plugin (we shard); it keeps our sharded model unwrapped"),
     Seam("evaluation_loop", "method", "groups left gathered by an evaluation forward are resharded afterwards"),
-    Seam("save_model", "method", "a sharded model is saved as consolidated safetensors / model shards (DCP)"),
+    Seam("save_model", "method",
+         "a sharded model's weights written first, on every rank (consolidated safetensors, or model shards (DCP) in "
+         "a checkpoint); then Trainer's own save_model runs, its weight writer (model.save_pretrained) a no-op"),
     Seam("_save_checkpoint", "method",
          "Trainer writes the checkpoint (every run); we mark it COMPLETE once every rank is done, then let Trainer's "
          "rotation run (checkpoints.py)"),
@@ -84,19 +111,149 @@ SEAMS: tuple[Seam, ...] = (
     Seam("__post_init__", "arguments",
          "wrapped (DeepSpeed, trainers/deepspeed.py): our parallelism with DeepSpeed refused and use_cpu set for a "
          "CPU launch before the devices are set up; deepspeed.comm initialised after, before a ZeRO-3 model is built"),
-    # accelerate internals
+    # accelerate internals (read in every release 1.10.1 .. 1.15.0)
     Seam("AcceleratorState._reset_state", "accelerate",
-         "drop an FSDP plugin an earlier Accelerator left in accelerate's process-wide state"),
+         "drop an FSDP plugin an earlier Accelerator left in accelerate's process-wide state", since="1.10",
+         package="accelerate"),
+    Seam("AcceleratorState._shared_state", "object",
+         "read to see whether an earlier Accelerator left an FSDP plugin / ParallelismConfig in the process-wide "
+         "state (trainers/fsdp.py)", since="1.10", package="accelerate", owner="accelerate.state.AcceleratorState"),
     Seam("Accelerator._prepare_device_mesh", "accelerate",
          "context parallelism: data loaders prepared over our world mesh, so a cp group shares its batches "
-         "(trainers/context.py)"),
+         "(trainers/context.py)", since="1.10", package="accelerate"),
+    Seam("fsdp_plugin_args", "source",
+         "masked while our accelerator is made, so accelerate builds no FSDP plugin (trainers/fsdp.py; not "
+         "underscored, but TrainingArguments sets it in __post_init__, undocumented)", since="5.0",
+         owner="transformers.training_args",
+         without="4.57's TrainingArguments build no FSDP plugin arguments: there is nothing to mask"),
+    # model level: PreTrainedModel and its configs (modeling_utils.py, configuration_utils.py of every release)
+    Seam("PretrainedConfig._attn_implementation", "object",
+         "the attention a model runs: read to tell ours from HF's and to report it (patches/apply.py, "
+         "patches/multimodal.py, trainers/frameworks.py)", owner="transformers.PretrainedConfig",
+         accessor="attn_implementation"),
+    Seam("PretrainedConfig._experts_implementation", "object",
+         "the experts implementation a MoE model runs (patches/experts.py)", since="5.0",
+         owner="transformers.PretrainedConfig", accessor="experts_implementation"),
+    Seam("PreTrainedModel._supports_sdpa", "object",
+         "our attention replaces sdpa by default only where the model supports sdpa (patches/apply.py)",
+         owner="transformers.PreTrainedModel"),
+    Seam("PreTrainedModel._supports_attention_backend", "object",
+         "whether a model reaches attention through AttentionInterface (4.57's Qwen2-MoE does not; compat.py)",
+         owner="transformers.PreTrainedModel"),
+    Seam("PreTrainedModel._can_set_experts_implementation", "object",
+         "our experts kernel is the default only for models that can switch experts implementation "
+         "(patches/experts.py)", since="5.0", owner="transformers.PreTrainedModel"),
+    Seam("PreTrainedModel._no_split_modules", "object",
+         "the decoder-layer classes FSDP2 shards one group each (parallel/fsdp.py)",
+         owner="transformers.PreTrainedModel", feature="FSDP2 sharding (parallel/fsdp.py)"),
+    Seam("PreTrainedModel._from_config", "object",
+         "a model built on the meta device from its config before sharded loading (parallel/loading.py; "
+         "PreTrainedModel has no public from_config, only the Auto classes)", owner="transformers.PreTrainedModel",
+         feature="sharded loading (parallel/loading.py)"),
+    Seam("PreTrainedModel._init_weights", "object",
+         "recomputes non-persistent buffers (rotary inv_freq) after meta init (parallel/loading.py)",
+         owner="transformers.PreTrainedModel", feature="sharded loading (parallel/loading.py)"),
+    Seam("_is_hf_initialized", "source",
+         "the flag that makes _init_weights skip a tensor: dropped so the buffers are recomputed (parallel/loading.py)",
+         owner="transformers.modeling_utils", feature="sharded loading (parallel/loading.py)"),
+    Seam("_is_expert_parallel", "source",
+         "marks the experts transformers split itself (distributed_config ep_size), adopted by parallelize "
+         "(parallel/expert.py)", since="5.18", owner="transformers.integrations.moe",
+         without="no module carries the mark: native_expert_parallel finds none and our expert parallelism shards"),
+    # attention / mask / experts registries (transformers.utils.generic.GeneralInterface in every release)
+    Seam("AttentionInterface._global_mapping", "object",
+         "our attentions registered and removed again (ops/attention.py, parallel/context)",
+         owner="transformers.AttentionInterface", accessor="registered"),
+    Seam("AttentionMaskInterface._global_mapping", "object", "our mask functions registered and removed again",
+         owner="transformers.masking_utils.AttentionMaskInterface", accessor="registered"),
+    Seam("ALL_EXPERTS_FUNCTIONS._global_mapping", "object",
+         "our experts kernel registered and removed again; a probe name registered for one call", since="5.0",
+         owner="transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS", accessor="registered"),
+    Seam("ALL_EXPERTS_FUNCTIONS._local_mapping", "instance",
+         "our experts kernel removed from the registry's instance mapping too (patches/experts.py)", since="5.0",
+         owner="transformers.integrations.moe.ExpertsInterface", accessor="unregister"),
+    Seam("moe._default_apply_gate", "object",
+         "the gate use_experts_implementation installs: our fused kernel runs only where a module keeps it",
+         since="5.0", owner="transformers.integrations.moe"),
+    Seam("_apply_gate", "source",
+         "an experts module's gate, read to see whether it is the default one (patches/experts.py)", since="5.0",
+         owner="transformers.integrations.moe"),
+    # torch: nn.Module internals (every torch 2.x)
+    Seam("Module._forward_pre_hooks", "instance", "our scope hooks found by their mark and removed (patches/scope.py)",
+         since="2.6", package="torch", owner="torch.nn.Module"),
+    Seam("Module._forward_hooks", "instance", "our scope hooks found by their mark and removed (patches/scope.py)",
+         since="2.6", package="torch", owner="torch.nn.Module"),
+    Seam("Module._forward_hooks_always_called", "instance",
+         "the always_call flag of a removed scope hook dropped with it (patches/scope.py)", since="2.6",
+         package="torch", owner="torch.nn.Module"),
+    Seam("Module._buffers", "instance", "a module's own buffers, read and refilled after meta init "
+         "(parallel/loading.py)", since="2.6", package="torch", owner="torch.nn.Module",
+         feature="sharded loading (parallel/loading.py)"),
+    Seam("Module._non_persistent_buffers_set", "instance",
+         "which buffers no checkpoint holds (recomputed after meta init, skipped when loading; parallel/loading.py)",
+         since="2.6", package="torch", owner="torch.nn.Module", feature="sharded loading (parallel/loading.py)"),
+    Seam("Module._modules", "instance",
+         "lm_head swapped for a pass-through while a multimodal forward runs (patches/multimodal.py)", since="2.6",
+         package="torch", owner="torch.nn.Module", feature="multimodal fused loss (patches/multimodal.py)"),
+    Seam("Module._parameters", "instance",
+         "a module's DTensor parameters swapped for their local tensors while it runs (parallel/tensor.py)",
+         since="2.6", package="torch", owner="torch.nn.Module", feature="tensor parallelism (parallel/tensor.py)"),
+    # torch: tensors and storages
+    Seam("Tensor._version", "object", "a cached mask is reused only while its source tensor was not written "
+         "(ops/varlen.py)", since="2.6", package="torch", owner="torch.Tensor"),
+    Seam("Tensor._is_view", "object", "views are not offloaded (memory/offload.py)", since="2.6", package="torch",
+         owner="torch.Tensor", feature="activation offload (memory/offload.py)"),
+    Seam("UntypedStorage._cdata", "object",
+         "a storage's identity (memory/offload.py, memory/measure.py, cli/memory_report.py, cli/bench_counts.py)",
+         since="2.6", package="torch", owner="torch.UntypedStorage",
+         feature="activation offload and memory measurement", accessor="storage_key"),
+    Seam("torch._C", "object", "torch's C extension module, for the names below", since="2.6", package="torch",
+         owner="torch"),
+    Seam("torch._C._storage_Use_Count", "object", "whether a storage is used outside the offloaded activation "
+         "(memory/offload.py)", since="2.6", package="torch", owner="torch._C",
+         feature="activation offload (memory/offload.py)"),
+    Seam("torch._C._current_autograd_node", "object", "backward op counts of `mindspeed-hf bench` "
+         "(cli/bench_counts.py)", since="2.6", package="torch", owner="torch._C", feature="mindspeed-hf bench"),
+    Seam("torch._C._dispatch_key_for_device", "object", "which bitsandbytes kernel runs, for report() "
+         "(patches/quantized.py)", since="2.6", package="torch", owner="torch._C",
+         feature="report() of quantized models"),
+    Seam("torch._C._dispatch_has_kernel_for_dispatch_key", "object", "which bitsandbytes kernel runs, for report() "
+         "(patches/quantized.py)", since="2.6", package="torch", owner="torch._C",
+         feature="report() of quantized models"),
+    # torch: kernels and distributed internals
+    Seam("torch._grouped_mm", "object", "the grouped GEMM of our experts kernel (ops/experts.py)", since="2.6",
+         package="torch", owner="torch", without="the per-expert loop runs, which gives the same result"),
+    Seam("aten._scaled_dot_product_flash_attention_for_cpu", "object",
+         "ring attention blocks on CPU: the fused kernel with its logsumexp (parallel/context/blocks.py)",
+         since="2.6", package="torch", owner="torch.ops.aten", feature="context parallelism"),
+    Seam("aten._scaled_dot_product_flash_attention_for_cpu_backward", "object",
+         "ring attention blocks on CPU, backward (parallel/context/blocks.py)", since="2.6", package="torch",
+         owner="torch.ops.aten", feature="context parallelism"),
+    Seam("aten._scaled_dot_product_flash_attention", "object",
+         "ring attention blocks on cuda: the flash kernel with its logsumexp (parallel/context/blocks.py)",
+         since="2.6", package="torch", owner="torch.ops.aten", feature="context parallelism"),
+    Seam("aten._scaled_dot_product_flash_attention_backward", "object",
+         "ring attention blocks on cuda, backward (parallel/context/blocks.py)", since="2.6", package="torch",
+         owner="torch.ops.aten", feature="context parallelism"),
+    Seam("DeviceMesh._flatten", "object", "the flattened dp / dp_shard_cp / dp_cp meshes (parallel/dims.py)",
+         since="2.6", package="torch", owner="torch.distributed.device_mesh.DeviceMesh",
+         feature="FSDP2 / context / expert parallelism meshes"),
+    Seam("DeviceMesh._unflatten", "object", "the cp_ring x cp_ulysses, hsdp and expert meshes (parallel/dims.py)",
+         since="2.6", package="torch", owner="torch.distributed.device_mesh.DeviceMesh",
+         feature="FSDP2 / context / expert parallelism meshes"),
+    Seam("_StridedShard", "object", "FSDP's placement over expert parallelism's Shard(0), read back when loading "
+         "(parallel/loading.py)", since="2.6", package="torch", owner="torch.distributed.tensor.placement_types",
+         without="no such placement exists: every placement is a plain Shard or Replicate"),
 )
 
 
-def _transformers_version() -> Version:
-    import transformers
+def _installed(package: str) -> Version:
+    """The installed release of `package` (a local suffix such as torch's "+cpu" kept: it compares after)."""
+    return Version(importlib.import_module(package).__version__)
 
-    return Version(transformers.__version__)
+
+def _transformers_version() -> Version:
+    return _installed("transformers")
 
 
 # Where transformers reads the attributes we set: the Trainer, and its FSDP helpers (moved in 5.0).
@@ -104,8 +261,6 @@ _READERS = ("transformers.trainer", "transformers.distributed.fsdp", "transforme
 
 
 def _reader_modules() -> list:
-    import importlib
-
     found = []
     for name in _READERS:
         try:
@@ -115,7 +270,45 @@ def _reader_modules() -> list:
     return found
 
 
+def _resolve(path: str) -> Any:
+    """The object at import path `path` ("torch.nn.Module", "transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS"):
+    the longest importable module, then attributes; None when any part is missing."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            found = getattr(found, part, None)
+        return found
+    return None
+
+
+@functools.cache
+def _source(module: str) -> str:
+    """The source text of module `module` ("" when it cannot be imported)."""
+    try:
+        return inspect.getsource(importlib.import_module(module))
+    except (ImportError, OSError, TypeError):
+        return ""
+
+
+def _present_on_owner(seam: Seam) -> bool:
+    """Kinds object / instance / source: the name on (an instance of, the source of) `seam.owner`."""
+    if seam.kind == "source":
+        return seam.attribute in _source(seam.owner)
+    owner = _resolve(seam.owner)
+    if owner is None:
+        return False
+    if seam.kind == "instance":
+        owner = owner()
+    return hasattr(owner, seam.attribute)
+
+
 def _present(seam: Seam) -> bool:
+    if seam.owner is not None:
+        return _present_on_owner(seam)
     if seam.kind == "method":
         from transformers import Trainer
 
@@ -138,14 +331,20 @@ def _present(seam: Seam) -> bool:
     return callable(getattr(cls, attribute, None))
 
 
-def missing(version: Version | None = None) -> list[Seam]:
-    """The seams the installed releases should have (by their dates) but do not, optional ones included."""
-    version = version or _transformers_version()
-    return [s for s in SEAMS if _in_range(s, version) and not _present(s)]
+def in_range(seam: Seam, version: Version | None = None) -> bool:
+    """Whether the installed release of the seam's package (`version` for transformers when given) lies within
+    the seam's dates."""
+    if seam.package != "transformers" or version is None:
+        version = _installed(seam.package)
+    release = Version(version.base_version)
+    return release >= Version(seam.since) and (seam.until is None or release < Version(seam.until))
 
 
-def _in_range(seam: Seam, version: Version) -> bool:
-    return version >= Version(seam.since) and (seam.until is None or version < Version(seam.until))
+def missing(version: Version | None = None, required_only: bool = False) -> list[Seam]:
+    """The seams the installed releases should have (by their dates) but do not, optional ones included unless
+    `required_only`. `version` stands for the installed transformers release."""
+    chosen = [s for s in SEAMS if s.required or not required_only]
+    return [s for s in chosen if in_range(s, version) and not _present(s)]
 
 
 def available(name: str) -> bool:
@@ -156,21 +355,19 @@ def available(name: str) -> bool:
 
 def _owner(seam: Seam) -> str:
     """The package and installed release a seam belongs to, e.g. "accelerate 1.15.0"."""
-    import importlib
-
-    package = "accelerate" if seam.kind == "accelerate" else "transformers"
-    return f"{package} {importlib.import_module(package).__version__}"
+    return f"{seam.package} {importlib.import_module(seam.package).__version__}"
 
 
 def problems() -> str | None:
     """One line naming every required seam the installed releases lack (None when all are there). Changes nothing:
     enable() asks before it patches anything."""
-    gone = [s for s in missing() if s.required]
+    gone = missing(required_only=True)
     if not gone:
         return None
     names = "; ".join(f"{_owner(s)} no longer has {s.name} ({s.why})" for s in gone)
-    return (f"mindspeed_hf: {names}; this release of mindspeed_hf supports transformers 4.57 to 5.x and accelerate "
-            "1.10 to 1.x - install one of those, or set MINDSPEED_HF_AUTO=0 to run without the accelerator")
+    return (f"mindspeed_hf: {names}; this release of mindspeed_hf supports transformers 4.57 to 5.x, accelerate "
+            "1.10 to 1.x and torch 2.6 or later - install one of those, or set MINDSPEED_HF_AUTO=0 to run without "
+            "the accelerator")
 
 
 def check() -> None:
