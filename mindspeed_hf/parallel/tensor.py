@@ -19,8 +19,8 @@
 
 The loss: the chunked fused loss (ops/fused_linear_cross_entropy.py) takes the lm_head as a MODULE (its weight is a
 DTensor), so each chunk's logits are gathered ([chunk, V], never [tokens, V]) and the cross-entropy is the ordinary
-one. ``vocab_parallel_cross_entropy`` below is the vocab-parallel form (max, sum-exp and target logit all-reduced
-over tp, on local [rows, V/tp] logits) for the fused loss to call once it learns of tp heads.
+one. ``vocab_parallel_linear_cross_entropy`` below is the vocab-parallel form (local [chunk, V/tp] logits, never
+gathered; max, sum-exp and target logit all-reduced over tp) for the fused loss to call once it learns of tp heads.
 
 Sequence parallelism (``sequence_parallel=True``): between layers the hidden states are DTensors ``Shard(1)`` on
 tp; the residual-stream norms run on the local sequence shard with the replicated weight (their gradient summed
@@ -62,7 +62,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .fsdp import unwrap_hf_model
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan", "vocab_parallel_cross_entropy"]
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan", "vocab_parallel_cross_entropy",
+           "vocab_parallel_linear_cross_entropy"]
 
 #: styles of base_model_tp_plan this step implements; anything else is refused before any work
 KNOWN_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts", "packed_colwise")
@@ -364,3 +365,35 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, sta
     (columns ``start .. start + V/tp`` of the full logits); every target must be valid (filter ignored rows
     first). Differentiable in `logits`; the gradient of each rank's slice is local (no communication)."""
     return _VocabParallelCE.apply(logits, target, start, group)
+
+
+def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, head: nn.Module, target: torch.Tensor,
+                                        chunk_size: int = 1024) -> torch.Tensor:
+    """Summed ``cross_entropy(head(hidden), target)`` for a vocab-parallel lm_head (``weight`` a DTensor
+    ``Shard(0)`` on a 1-D tp mesh, no bias), chunk by chunk on the local weight: the [chunk, V/tp] logits are
+    recomputed in the backward (checkpoint), never gathered. `hidden` [n, H] is the same on every tp rank and
+    every `target` valid. The weight gradient stays on its shard; the hidden gradient is summed over tp."""
+    from torch.utils.checkpoint import checkpoint
+
+    weight = head.weight
+    if not isinstance(weight, DTensor) or weight.placements != (Shard(0),) or getattr(head, "bias", None) is not None:
+        raise ValueError("vocab_parallel_linear_cross_entropy: the lm_head weight must be a DTensor Shard(0) on a "
+                         "1-D tp mesh, without bias")
+    group = weight.device_mesh.get_group()
+    rank, tp = weight.device_mesh.get_local_rank(), weight.device_mesh.size()
+    start = rank * -(-weight.shape[0] // tp)  # torch.chunk's split, as DTensor's Shard(0)
+    local = weight.to_local()
+    if torch.is_grad_enabled():
+        hidden = _GradAllReduce.apply(hidden, group)
+
+    def chunk_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(nn.functional.linear(h, w), t, start, group)
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for first in range(0, hidden.shape[0], chunk_size):
+        rows = slice(first, first + chunk_size)
+        if torch.is_grad_enabled():
+            total = total + checkpoint(chunk_loss, hidden[rows], local, target[rows], use_reentrant=False)
+        else:
+            total = total + chunk_loss(hidden[rows], local, target[rows])
+    return total

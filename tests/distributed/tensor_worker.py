@@ -29,22 +29,29 @@ from tiny_models import VOCAB, tiny_model  # noqa: E402
 import mindspeed_hf  # noqa: E402
 from mindspeed_hf.ops import registry  # noqa: E402
 from mindspeed_hf.parallel import init_distributed  # noqa: E402
-from mindspeed_hf.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy  # noqa: E402
+from mindspeed_hf.parallel.tensor import (  # noqa: E402
+    apply_tensor_parallel,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
+)
 
 BATCH, SEQ, STEPS, LR = 4, 12, 3, 1e-3
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, seq: int = SEQ) -> dict[str, torch.Tensor]:
+    """input_ids, labels and attention_mask: row 0 right-padded from position 7, row -1's prompt unlabelled."""
     g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
     labels = ids.clone()
     labels[0, 7:] = -100
     labels[BATCH - 1, :4] = -100
-    return ids, labels
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def n_items(step: int) -> int:
-    return int((batch(step)[1][:, 1:] != -100).sum())
+def n_items(step: int, seq: int = SEQ) -> int:
+    return int((batch(step, seq)["labels"][:, 1:] != -100).sum())
 
 
 @contextlib.contextmanager
@@ -79,14 +86,15 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def train(model, rows: slice, scale: float, group=None, **kwargs) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """STEPS AdamW steps on rows `rows` of each batch, the loss a sum over the global batch's items; returns the
-    losses (summed over `group`) and the first step's gathered gradients."""
+def train(model, rows: slice, scale: float, group=None, seq: int = SEQ, mask: bool = False,
+          **kwargs) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """STEPS AdamW steps on rows `rows` of each batch (with its padding mask if `mask`), the loss a sum over the
+    global batch's items; returns the losses (summed over `group`) and the first step's gathered gradients."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], {}
     for step in range(STEPS):
-        ids, labels = batch(step)
-        loss = model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items(step), **kwargs).loss
+        inputs = {k: v[rows] for k, v in batch(step, seq).items() if mask or k != "attention_mask"}
+        loss = model(**inputs, num_items_in_batch=n_items(step, seq), **kwargs).loss
         (loss * scale).backward()
         grads = grads or {n: full(p.grad) for n, p in model.named_parameters()}
         opt.step()
@@ -98,10 +106,10 @@ def train(model, rows: slice, scale: float, group=None, **kwargs) -> tuple[list[
     return losses, grads
 
 
-def reference(family: str) -> dict:
+def reference(family: str, **batch_kw) -> dict:
     """Plain HF, unpatched, one process, the whole batch."""
     mindspeed_hf.disable()
-    losses, grads = train(tiny_model(family), slice(None), 1.0)
+    losses, grads = train(tiny_model(family), slice(None), 1.0, **batch_kw)
     return {"losses": losses, "grads": grads}
 
 
@@ -119,9 +127,9 @@ def compare(got: dict, ref: dict | None) -> dict:
             "loss_max_diff": max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))}
 
 
-def case(family: str, sequence_parallel: bool = True, backend: str | None = None) -> dict:
-    """tp over the whole world against plain HF in one process."""
-    ref = reference(family) if dist.get_rank() == 0 else None
+def case(family: str, sequence_parallel: bool = True, backend: str | None = None, **batch_kw) -> dict:
+    """tp over the whole world against plain HF in one process (`batch_kw`: train's seq / mask)."""
+    ref = reference(family, **batch_kw) if dist.get_rank() == 0 else None
     if backend:
         os.environ["MINDSPEED_HF_BACKEND"] = backend
         registry.set_backend(None)  # re-read the environment
@@ -133,7 +141,7 @@ def case(family: str, sequence_parallel: bool = True, backend: str | None = None
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
         seen: dict = {}
         with kernel_spy(seen):
-            losses, grads = train(model, slice(None), 1.0, skip_logits=True)
+            losses, grads = train(model, slice(None), 1.0, skip_logits=True, **batch_kw)
         out = {"losses": losses, "grads": grads, "seen": seen, "ran": mindspeed_hf.report(model)["ran"],
                "backend": mindspeed_hf.report(model)["backend"], "placements": placements(model),
                "attention": model.config._attn_implementation}
@@ -191,7 +199,29 @@ def vocab_parallel() -> dict:
     got = vocab_parallel_cross_entropy(local, target, rank * per, dist.group.WORLD)
     got.backward()
     grad_diff = (local.grad - full_logits.grad[:, rank * per:(rank + 1) * per]).abs().max().item()
-    return {"loss_rel_diff": abs(got.item() - want.item()) / want.item(), "grad_diff": grad_diff}
+    out = {"loss_rel_diff": abs(got.item() - want.item()) / want.item(), "grad_diff": grad_diff}
+    out["linear"] = vocab_parallel_linear()
+    return out
+
+
+def vocab_parallel_linear() -> dict:
+    """vocab_parallel_linear_cross_entropy on the tp-sharded lm_head of a tiny llama (chunks of 4 rows) vs
+    F.cross_entropy(lm_head(hidden)) in one process: loss, hidden gradient, gathered weight gradient."""
+    plain = tiny_model("llama").lm_head
+    model = tiny_model("llama")
+    mesh = dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    apply_tensor_parallel(model, mesh["tp"])
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(10, plain.in_features, generator=g)
+    target = torch.randint(0, VOCAB, (10,), generator=g)
+    h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
+    want = torch.nn.functional.cross_entropy(plain(h1), target, reduction="sum")
+    want.backward()
+    got = vocab_parallel_linear_cross_entropy(h2, model.lm_head, target, chunk_size=4)
+    got.backward()
+    return {"loss_rel_diff": abs(got.item() - want.item()) / want.item(),
+            "hidden_grad_diff": (h1.grad - h2.grad).abs().max().item(),
+            "weight_grad_diff": (plain.weight.grad - model.lm_head.weight.grad.full_tensor()).abs().max().item()}
 
 
 def errors() -> dict:
@@ -217,6 +247,7 @@ def scenario_two() -> dict:
         "qwen3": case("qwen3"),
         "qwen3_moe": case("qwen3_moe"),
         "llama_no_sp": case("llama", sequence_parallel=False),
+        "padded_odd": case("llama", seq=13, mask=True),  # uneven sequence shards (7 + 6), a padding mask
         "npu": case("qwen3", backend="npu"),
         "vocab_parallel": vocab_parallel(),
         "errors": errors(),

@@ -1,8 +1,9 @@
 """Tensor parallelism under torchrun (gloo, CPU, fp32) against plain Hugging Face in one process.
 
 tensor_worker.py: `two` (2 ranks, tp=2): tiny llama, qwen3 and qwen3_moe with mindspeed_hf enabled and sequence
-parallelism on, llama without it, qwen3 on the npu path (the torch_npu stand-in), the vocab-parallel
-cross-entropy, and the one-line refusals; `four` (4 ranks): dp_shard=2 x tp=2 with FSDP2 over the dp sub-mesh.
+parallelism on, llama without it, llama on an odd sequence (uneven shards) with a padding mask, qwen3 on the npu
+path (the torch_npu stand-in), the vocab-parallel cross-entropy (alone, and chunked on the sharded lm_head), and
+the one-line refusals; `four` (4 ranks): dp_shard=2 x tp=2 with FSDP2 over the dp sub-mesh.
 Each model case trains 3 AdamW steps and compares its losses and first-step gradients (gathered from the shards)
 with the unpatched model's in one process (HF's own loss), to 1e-5.
 """
@@ -17,7 +18,7 @@ from child_runs import run_worker
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "tensor_worker.py"
 TOL = 1e-5
-CASES = ["llama", "qwen3", "qwen3_moe", "llama_no_sp", "npu"]
+CASES = ["llama", "qwen3", "qwen3_moe", "llama_no_sp", "padded_odd", "npu"]
 KERNELS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy")
 
 
@@ -71,14 +72,17 @@ def test_kernels_ran_on_local_shards(two, case):
     seen = r["seen"]
     assert seen["dtensor_args"] == 0  # our kernels got plain tensors
     assert seen["attention_heads"] == [2]  # 4 heads / tp 2: the local heads
-    # norms on the sequence shard (12 / 2) under sequence parallelism, the whole sequence without it;
-    # Qwen3's per-head q_norm / k_norm run on [B, S, heads, D] (4-D: not listed)
-    assert seen["norm_rows"] == ([12] if case == "llama_no_sp" else [6])
+    # rank 0's norms on its sequence shard under sequence parallelism (12 / 2; 13 -> 7 + 6), the whole sequence
+    # without it; Qwen3's per-head q_norm / k_norm run on [B, S, heads, D] (4-D: not listed)
+    assert seen["norm_rows"] == {"llama_no_sp": [12], "padded_odd": [7]}.get(case, [6])
 
 
 def test_vocab_parallel_cross_entropy(two):
     r = two["vocab_parallel"]
     assert r["loss_rel_diff"] <= 1e-6 and r["grad_diff"] <= TOL, r
+    linear = r["linear"]  # chunked on the sharded lm_head, logits never gathered
+    assert linear["loss_rel_diff"] <= 1e-6 and linear["hidden_grad_diff"] <= TOL, linear
+    assert linear["weight_grad_diff"] <= TOL, linear
 
 
 def test_errors_name_the_setting(two):
