@@ -1,7 +1,7 @@
-"""Value kinds of settings beyond plain bool / int / str, for mindspeed_hf.config: a choice that may also be given
-as a bool, a list of choices, a layer selection. Each kind is one function from a value (YAML or Python) or text (a
-MINDSPEED_HF_* variable, a command-line flag) to the canonical value, or a one-line ValueError that names the
-setting and the valid choices."""
+"""Value kinds of the settings of mindspeed_hf.config: true/false, a bounded integer, one of some names, a choice
+that may also be given as a bool, a list of choices, a layer selection. Each kind checks a value (YAML or Python) and
+reads text (a MINDSPEED_HF_* variable, an accelerate launch variable, a command-line flag), returning the canonical
+value or raising a one-line ValueError that names the setting (as its source spells it) and the valid choices."""
 
 from __future__ import annotations
 
@@ -14,14 +14,26 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Kind:
-    """A setting's value kind. `check(where, value)` returns the canonical value or raises ValueError naming `where`.
+    """A setting's value kind. `check(where, value)` returns the canonical value or raises ValueError naming `where`;
+    `read(where, text)` does the same for text (`parse`, where the kind has one, turns the text into a value the
+    check then takes; without it `check` reads text too).
 
-    A Kind is also the setting's training-argument type: argparse calls it on the flag's text. `parser_options`
-    go to the flag as well (`nargs="?"` and `const=True` keep a bare `--flag` meaning true)."""
+    A Kind is also the setting's training-argument type: argparse calls it on the flag's text, unless `argument`
+    names a plain type (bool, int, str) that HfArgumentParser reads its own way. `parser_options` go to the flag as
+    well (`nargs="?"` and `const=True` keep a bare `--flag` meaning true); `choices`, where the kind has a fixed
+    set, too. `fold_case`: text in any case means the lower-case choice."""
 
     name: str
     check: Callable[[str, Any], Any]
     parser_options: tuple[tuple[str, Any], ...] = ()
+    parse: Callable[[str, str], Any] | None = None
+    argument: type | None = None
+    choices: tuple[str, ...] | None = None
+    fold_case: bool = False
+
+    def read(self, where: str, text: str) -> Any:
+        """The value a text gives (a variable's, named `where` in errors)."""
+        return self.parse(where, text) if self.parse is not None else self.check(where, text)
 
     def __call__(self, text: str) -> Any:
         try:
@@ -51,6 +63,63 @@ def parse_flag(value: Any, where: str) -> bool:
     if text in _TRUE or text in _FALSE:
         return text in _TRUE
     raise ValueError(f"{where}={value!r} must be true or false")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def boolean() -> Kind:
+    """true or false: a bool as a value (text such as 'yes' is refused there), parse_flag's reading as text. The
+    training argument stays a plain bool (HfArgumentParser's own reading of `--flag [value]`)."""
+
+    def check(where: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}={value!r} must be true or false")
+        return value
+
+    return Kind("true or false", check, parse=lambda where, text: parse_flag(text, where), argument=bool)
+
+
+def integer(minimum: int, note: str = "", also: int | None = None) -> Kind:
+    """An integer >= `minimum` (or equal to `also`, a special value whose meaning `note` gives); as text, its digits.
+    The training argument stays a plain int."""
+
+    def check(where: str, value: Any) -> int:
+        if not _is_int(value):
+            raise ValueError(f"{where}={value!r} must be an integer")
+        if value < minimum and value != also:
+            raise ValueError(f"{where}={value} must be >= {minimum}{note}")
+        return value
+
+    def parse(where: str, text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{where}={text!r} must be an integer") from None
+
+    return Kind(f"an integer >= {minimum}{note}", check, parse=parse, argument=int)
+
+
+def choice(choices: tuple[str, ...], fold_case: bool = False) -> Kind:
+    """One of `choices`, a string. As text it is checked at once, so the error names the variable; `fold_case`: text
+    is read whatever its case and spaces (and a training argument's value whatever its case)."""
+    valid = ", ".join(choices)
+
+    def chosen(where: str, value: str, given: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"{where}={given!r} is not valid; choose one of {valid}")
+        return value
+
+    def check(where: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where}={value!r} must be a string")
+        return chosen(where, value, value)
+
+    def parse(where: str, text: str) -> str:
+        return chosen(where, text.strip().lower() if fold_case else text, text)
+
+    return Kind(f"one of {valid}", check, parse=parse, argument=str, choices=choices, fold_case=fold_case)
 
 
 def choice_or_bool(choices: tuple[str, ...], true_means: str) -> Kind:
@@ -86,10 +155,6 @@ def choice_list(choices: tuple[str, ...]) -> Kind:
         return list(dict.fromkeys(items))
 
     return Kind(f"a list of {', '.join(choices)}", check)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _selection(where: str, value: Any) -> str | int | list[int]:
@@ -143,10 +208,11 @@ def unknown_names(what: str, unknown: Iterable[str], valid: Iterable[str]) -> Va
     if there are few, else where to find them), e.g. `unknown config key parallel.dpshard (did you mean
     parallel.dp_shard?)`."""
     valid = list(valid)
+    by_last = {v.rsplit(".", 1)[-1]: v for v in valid}  # `section.key`: compared by the key alone
     parts = []
     for name in sorted(unknown):
-        near = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-        parts.append(f"{name} (did you mean {near[0]}?)" if near else name)
-    hint = f"; valid: {', '.join(valid)}" if len(valid) <= 12 else ""
+        near = difflib.get_close_matches(name.rsplit(".", 1)[-1], list(by_last), n=1, cutoff=0.7)
+        parts.append(f"{name} (did you mean {by_last[near[0]]}?)" if near else name)
+    hint = f"; valid {what}s: {', '.join(valid)}" if len(valid) <= 12 else ""
     plural = "s" if len(parts) > 1 else ""
     return ValueError(f"unknown {what}{plural} {', '.join(parts)}{hint}")

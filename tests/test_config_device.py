@@ -12,9 +12,9 @@ from mindspeed_hf.ops import registry
 
 
 @pytest.mark.parametrize("data,message", [
-    ({"kernel": {}}, "unknown config key kernel (did you mean kernels?); valid: backend, kernels, parallel, memory"),
-    ({"kernels": {"rmsnorm": True}}, "unknown config key kernels.rmsnorm (did you mean kernels.rms_norm?); valid: "
-                                         "kernels.rms_norm, kernels.rope"),
+    ({"kernel": {}}, "unknown config key kernel (did you mean kernels?); valid config keys: backend, kernels"),
+    ({"kernels": {"rmsnorm": True}}, "unknown config key kernels.rmsnorm (did you mean kernels.rms_norm?); valid "
+                                     "config keys: kernels.rms_norm, kernels.rope"),
     ({"kernels": {"rope": "yes"}}, "kernels.rope='yes' must be true or false"),
     ({"parallel": {"dp_shard": 0}}, "parallel.dp_shard=0 must be >= 1, or -1"),
     ({"parallel": {"cp": 1.5}}, "parallel.cp=1.5 must be an integer"),

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import KernelConfig, MemoryConfig, MindSpeedConfig, ParallelConfig, config_from_dict, read_config_file
-from ..value_kinds import parse_flag
+from ..value_kinds import parse_flag, unknown_names
 from .default_run import DEFAULT_RUN_CONFIG, DEFAULT_RUN_DIR
 
 BUILTIN = "builtin:"
@@ -92,10 +92,10 @@ def _check_keys(where: str, values: Any, valid: list[str] | tuple[str, ...]) -> 
         return {}
     if not isinstance(values, dict):
         raise ValueError(f"{where} must be a mapping with keys: {', '.join(valid)}")
-    unknown = sorted(set(values) - set(valid))
+    unknown = set(values) - set(valid)
     if unknown:
-        names = ", ".join(f"{where}.{k}" if where else k for k in unknown)
-        raise ValueError(f"unknown key(s) {names}; valid keys{' in ' + where if where else ''}: {', '.join(valid)}")
+        prefix = f"{where}." if where else ""
+        raise unknown_names("key", (prefix + k for k in unknown), (prefix + k for k in valid))
     return dict(values)
 
 
@@ -337,7 +337,7 @@ def build_training_args(run: RunConfig, overrides: list[str], accelerated: bool)
     parser.error = _command_line_error  # one line naming the option, not argparse's usage text and exit
     given, remaining = parser.parse_known_args(list(overrides))
     if remaining:
-        raise ValueError(f"unknown training argument(s) {' '.join(remaining)}; valid: --<TrainingArguments key> "
-                         f"value, e.g. --output_dir DIR --max_steps 5 (keys: {', '.join(training_keys())})")
+        flags = [r for r in remaining if r.startswith("--")] or remaining
+        raise unknown_names("training argument", flags, [f"--{k}" for k in training_keys()])
     (args,) = parser.parse_dict({**defaults, **vars(given)})
     return args

@@ -35,7 +35,7 @@ def test_yaml_environment_and_flags(tmp_path):
     ({"offload_layers": 0}, r"memory.offload_layers=0 is not valid; choose all, an integer n >= 1"),
     ({"offload_min_bytes": -1}, r"memory.offload_min_bytes=-1 must be an integer >= 0 \(bytes\)"),
     ({"offload_min_bytes": "1MB"}, r"memory.offload_min_bytes='1MB' must be an integer >= 0"),
-    ({"offload": True}, r"unknown config key\(s\) memory.offload; valid keys: .*offload_activations"),
+    ({"offload": True}, r"unknown config key memory.offload; valid config keys: .*memory.offload_activations"),
 ])
 def test_bad_values_fail_naming_the_setting(memory, message):
     with pytest.raises(ValueError, match=message) as err:

@@ -47,14 +47,14 @@ def test_default_run_config_is_valid():
 
 
 @pytest.mark.parametrize(("mutate", "message"), [
-    (lambda d: d.update(trainig={}), "unknown key(s) trainig; valid keys: model, data, parallel, features"),
-    (lambda d: d["model"].update(hidden=3), "model.hidden; valid keys in model: config, name_or_path"),
-    (lambda d: d["data"].update(pth="x"), "data.pth; valid keys in data: train, eval"),
-    (lambda d: d["features"].update(rms_nrom=True), "features.rms_nrom; valid keys in features: backend, rms_norm"),
-    (lambda d: d["parallel"].update(tp=2), "parallel.tp; valid keys in parallel: dp_replicate, dp_shard, cp, ep"),
-    (lambda d: d["training"].update(learning_rat=1.0), "training.learning_rat; valid keys in training:"),
+    (lambda d: d.update(trainig={}), "unknown key trainig (did you mean training?); valid keys: model, data"),
+    (lambda d: d["model"].update(hidden=3), "unknown key model.hidden; valid keys: model.config, model.name_or_path"),
+    (lambda d: d["data"].update(pth="x"), "unknown key data.pth; valid keys: data.train, data.eval"),
+    (lambda d: d["features"].update(rms_nrom=True), "unknown key features.rms_nrom (did you mean features.rms_norm?)"),
+    (lambda d: d["parallel"].update(tp=2), "unknown key parallel.tp; valid keys: parallel.dp_replicate"),
+    (lambda d: d["training"].update(learning_rat=1.0), "training.learning_rat (did you mean training.learning_rate?)"),
     (lambda d: d["training"].update(mindspeed_rope=False), "accelerator settings go in the `features`"),
-    (lambda d: d["evaluation"].update(n=1), "evaluation.n; valid keys in evaluation: enabled, num_prompts"),
+    (lambda d: d["evaluation"].update(n=1), "unknown key evaluation.n; valid keys: evaluation.enabled"),
     (lambda d: d["features"].update(backend="tpu"), "backend='tpu' is not valid"),
     (lambda d: d["parallel"].update(cp=0), "parallel.cp=0 must be >= 1"),
     (lambda d: d["model"].update(name_or_path="x"), "exactly one of model.config"),
@@ -89,7 +89,7 @@ def test_training_overrides(no_model_building):
     assert args.include_num_input_tokens_seen == "non_padding"  # YAML/default strings are not run through argparse
     plain = run_config.build_training_args(run, [], accelerated=False)
     assert type(plain).__name__ == "TrainingArguments" and plain.max_steps == run.training["max_steps"]
-    with pytest.raises(ValueError, match="unknown training argument\\(s\\) --not_a_key 3"):
+    with pytest.raises(ValueError, match="^unknown training argument --not_a_key$"):
         run_config.build_training_args(run, ["--not_a_key", "3"], accelerated=True)
 
 
