@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import TrainerCallback
 
+from .. import compat
 from ..device import import_torch_npu
 from ..memory.measure import SavedStorages
 
@@ -36,7 +37,7 @@ PROFILE_STEPS = 3  # steps traced after the counted one with --profile
 
 
 def _storages(tree: Any) -> set[int]:
-    return {t.untyped_storage()._cdata for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+    return {compat.storage_key(t.untyped_storage()) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
 
 
 def _nodes_between(outputs: Any, inputs: Any) -> list[Any]:
@@ -81,7 +82,7 @@ class OpCounter(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
-                if storage._cdata not in inputs:
+                if compat.storage_key(storage) not in inputs:
                     self.largest = max(self.largest, storage.nbytes())
         return out
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .. import compat
 from ..config import MindSpeedConfig
 from ..device import detect_device_type, device_module, reset_peak_memory
 from .run_config import RunConfig, build_training_args, load_run_config
@@ -60,7 +61,7 @@ def _tensor_bytes(tensors: Any) -> int:
     for t in tensors:
         if isinstance(t, torch.Tensor):
             t = t.to_local() if hasattr(t, "to_local") else t
-            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            seen[compat.storage_key(t.untyped_storage())] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 

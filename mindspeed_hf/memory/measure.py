@@ -20,6 +20,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .. import compat
+
 
 @dataclass(frozen=True)
 class ForwardMemory:
@@ -43,9 +45,9 @@ class _Created(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
-                known = self.storages.get(storage._cdata)
-                if storage._cdata not in self.exclude and (known is None or known[0].expired()):
-                    self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+                known = self.storages.get(compat.storage_key(storage))
+                if compat.storage_key(storage) not in self.exclude and (known is None or known[0].expired()):
+                    self.storages[compat.storage_key(storage)] = (StorageWeakRef(storage), storage.nbytes())
         return out
 
     def alive_bytes(self) -> int:
@@ -57,13 +59,13 @@ class SavedStorages:
     buffers excluded: `nbytes` and `count`."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.exclude = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+        self.exclude = {compat.storage_key(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
         self.saved: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage._cdata not in self.exclude:
-            self.saved[storage._cdata] = storage.nbytes()
+        if compat.storage_key(storage) not in self.exclude:
+            self.saved[compat.storage_key(storage)] = storage.nbytes()
         return t
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:

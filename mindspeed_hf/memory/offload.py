@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import compat
 from ..device import DEVICE_TYPES, transfers
 from .host_pool import HostBufferPool
 
@@ -110,7 +111,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _storage_used_elsewhere(entry: _Entry) -> bool:
     storage = entry.alias.untyped_storage()
     # ours: the entry's alias, one per handle, and `storage` itself
-    return torch._C._storage_Use_Count(storage._cdata) > entry.handles + 2
+    return torch._C._storage_Use_Count(compat.storage_key(storage)) > entry.handles + 2
 
 
 class ActivationOffloader:
@@ -199,7 +200,7 @@ class ActivationOffloader:
         if not offloadable(t, self.min_bytes):
             return t
         current = record.pass_
-        key = t.untyped_storage()._cdata
+        key = compat.storage_key(t.untyped_storage())
         if key in current.shared:
             return t
         known = current.by_storage.get(key)
@@ -224,7 +225,7 @@ class ActivationOffloader:
         kept = []
         for entry in record.entries:
             if _storage_used_elsewhere(entry):
-                record.pass_.shared.add(entry.alias.untyped_storage()._cdata)
+                record.pass_.shared.add(compat.storage_key(entry.alias.untyped_storage()))
                 self._release(entry)
                 self._note("keep", record.layer)
                 continue

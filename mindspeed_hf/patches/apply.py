@@ -167,7 +167,7 @@ def disable() -> None:
     ours = set(OUR_ATTENTIONS)
     _unpatch()
     for model in list(_models):
-        if model.config._attn_implementation in ours:
+        if compat.attn_implementation(model.config) in ours:
             _set_attention(model, "sdpa")
         experts.restore(model)
         scope.detach(model)
@@ -227,7 +227,7 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
         _patch_family(family)
     scope.attach(hf_model, config)
     _models.add(hf_model)
-    current = hf_model.config._attn_implementation
+    current = compat.attn_implementation(hf_model.config)
     if getattr(hf_model, "_mindspeed_explicit_attention", None) is None:
         if config.kernels.attention and current == "sdpa" and compat.sdpa_replaceable(hf_model):
             _set_attention(hf_model, ATTENTION_NAME)
@@ -249,7 +249,7 @@ def _set_attention(model: nn.Module, name: str) -> None:
     model.set_attn_implementation(name)
     left = ATTENTION_NAME if name != ATTENTION_NAME else "sdpa"
     for sub in model.modules():
-        if sub is not model and isinstance(sub, PreTrainedModel) and sub.config._attn_implementation == left:
+        if sub is not model and isinstance(sub, PreTrainedModel) and compat.attn_implementation(sub.config) == left:
             sub.set_attn_implementation(name)
 
 
@@ -281,7 +281,7 @@ def report(model: nn.Module) -> dict[str, Any]:
         mrope = {getattr(module, cls): getattr(getattr(module, fn), "_mindspeed_op", None) == "rope"
                  for cls, fn in family.mrope_attention}
         on = {op: bool(getattr(config.kernels, op)) for op in _OPS}
-        attention = hf_model.config._attn_implementation
+        attention = compat.attn_implementation(hf_model.config)
         explicit = getattr(hf_model, "_mindspeed_explicit_attention", None)
         if explicit is not None and attention not in OUR_ATTENTIONS:
             kept["attention"] = f"{attention} (requested explicitly)"
@@ -292,7 +292,7 @@ def report(model: nn.Module) -> dict[str, Any]:
             kept["experts"] = experts_note
         for sub in hf_model.modules():
             op = _running_op(sub)
-            ours = getattr(sub, "config", hf_model.config)._attn_implementation in OUR_ATTENTIONS
+            ours = compat.attn_implementation(getattr(sub, "config", hf_model.config)) in OUR_ATTENTIONS
             if isinstance(sub, vision_attention):  # the tower's: counted apart (report()["vision_kernels"])
                 vision["attention"] += op is not None and on[op] and ours
                 vision["rope"] += vision_rope and on["rope"]
@@ -305,7 +305,7 @@ def report(model: nn.Module) -> dict[str, Any]:
                 counts["attention"] += ours
             elif type(sub) in mrope:
                 counts["rope"] += mrope[type(sub)] and on["rope"]
-                counts["attention"] += sub.config._attn_implementation in OUR_ATTENTIONS
+                counts["attention"] += compat.attn_implementation(sub.config) in OUR_ATTENTIONS
     token = registry.use_backend(None if config is None or config.backend == "auto" else config.backend)
     try:
         return {
@@ -314,7 +314,7 @@ def report(model: nn.Module) -> dict[str, Any]:
             "kernels": counts,
             "implementations": {op: registry.implementation(op, device) for op in _OPS
                                 if op in registry.registered_ops()},
-            "attention_implementation": getattr(getattr(hf_model, "config", None), "_attn_implementation", None),
+            "attention_implementation": compat.attn_implementation(getattr(hf_model, "config", None)),
             "skip_logits": None if config is None or not counts["fused_linear_cross_entropy"] else
             config.kernels.skip_logits,
             "kept": kept,

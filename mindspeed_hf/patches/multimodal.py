@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import compat
 from ..ops import rotary
 from ..ops.attention import ATTENTION_NAME
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -49,7 +50,7 @@ def vision_attention_forward(original: Callable) -> Callable:
         bound = signature.bind(self, *args, **kwargs).arguments
         hidden, cu_seqlens = bound["hidden_states"], bound["cu_seqlens"]
         position_embeddings = bound.get("position_embeddings")
-        if position_embeddings is None or self.config._attn_implementation != ATTENTION_NAME:
+        if position_embeddings is None or compat.attn_implementation(self.config) != ATTENTION_NAME:
             # an explicit attention request ("eager", "flash_attention_2", ...) or cos/sin made inside: HF's code
             return original(self, *args, **kwargs)
         seq = hidden.shape[0]

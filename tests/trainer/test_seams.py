@@ -163,10 +163,7 @@ def test_every_private_name_of_other_packages_is_a_listed_seam():
 #: Call sites that still name a private name directly although compat.py has its accessor, in modules this change
 #: did not own (see the seam's `accessor`): name -> the modules. The test fails when one is routed, so the entry goes.
 NOT_YET_ROUTED = {
-    "_attn_implementation": {"mindspeed_hf/patches/apply.py", "mindspeed_hf/patches/multimodal.py",
-                             "mindspeed_hf/trainers/frameworks.py"},
-    "_cdata": {"mindspeed_hf/cli/bench_counts.py", "mindspeed_hf/cli/memory_report.py",
-               "mindspeed_hf/memory/measure.py", "mindspeed_hf/memory/offload.py"},
+    "_attn_implementation": {"mindspeed_hf/trainers/frameworks.py"},
 }
 
 
