@@ -110,6 +110,9 @@ def test_unset_arguments_leave_the_lower_layers(monkeypatch, tmp_path):
     ({"MINDSPEED_HF_PARALLEL_PREFETCH": "two"}, "MINDSPEED_HF_PARALLEL_PREFETCH='two' must be an integer"),
     ({"MINDSPEED_HF_BACKEND": "tpu"}, "MINDSPEED_HF_BACKEND='tpu' is not valid; choose one of auto, torch, npu, cuda"),
     ({**ACCELERATE_FSDP2, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "x"}, "PARALLELISM_CONFIG_DP_SHARD_SIZE='x' must be"),
+    ({"MINDSPEED_HF_KERNELS_SKIP_LOGITS": "Sometimes"},
+     "MINDSPEED_HF_KERNELS_SKIP_LOGITS='Sometimes' is not valid; choose one of auto, always, never"),
+    ({"MINDSPEED_HF_PARALLEL_CP": "0"}, "parallel.cp=0 must be >= 1"),
 ])
 def test_bad_environment_values_name_the_variable(env, message):
     with pytest.raises(ValueError) as err:

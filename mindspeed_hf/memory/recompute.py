@@ -8,7 +8,8 @@
 
 `apply_recompute_config` is what parallel.parallelize's recompute step runs; `remove_recompute` takes selective
 recompute off a model again. HF's own `gradient_checkpointing=True` (TrainingArguments) counts as `full` where no
-source set memory.recompute (`checkpointing_layer`), and then mindspeed_hf applies it (`absorb_hf_checkpointing`).
+source set memory.recompute (mindspeed_hf.config.sources.checkpointing_layer), and then mindspeed_hf applies it
+(`absorb_hf_checkpointing`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..compat import (
     enable_activation_checkpointing,
     training_args_checkpointing_names,
 )
-from ..config import Layer, MemoryConfig
+from ..config import MemoryConfig
 from . import selective
 
 logger = logging.getLogger("mindspeed_hf")
@@ -124,15 +125,6 @@ def apply_recompute_config(model: nn.Module, memory: MemoryConfig) -> None:
 
 
 # ----------------------------------------------------------------------------- HF's own gradient_checkpointing
-def checkpointing_layer(args: Any) -> Layer:
-    """TrainingArguments' own switch (`gradient_checkpointing` / `activation_checkpointing`) as a fallback layer:
-    True means memory.recompute=full where no source set memory.recompute (see config.resolve's `fallback`)."""
-    switch, _ = training_args_checkpointing_names()
-    if not getattr(args, switch, False):
-        return Layer("TrainingArguments", {})
-    return Layer(f"TrainingArguments ({switch})", {"memory.recompute": True}, {"memory.recompute": switch})
-
-
 def _already_applied(*_: Any, **__: Any) -> None:
     """Stands for Trainer's own checkpointing switch on a model mindspeed_hf applied memory.recompute to."""
 

@@ -4,7 +4,8 @@ The fields are generated from the settings declared in mindspeed_hf.config, so a
 (`--mindspeed_rope false`, `--mindspeed_recompute`) without being written here. Every field defaults to None,
 "not set": the setting then comes from the lower layers (MINDSPEED_HF_* variables, the YAML file, the accelerate
 launch environment, the defaults); a field that is set wins over all of them (see mindspeed_hf.config.resolve).
-The config is resolved and validated in __post_init__, so a bad value fails when the arguments are parsed.
+The config is resolved and validated in __post_init__, so a bad value fails when the arguments are parsed (a
+trainer given these arguments then reuses that resolution and logs its overrides).
 """
 
 from __future__ import annotations
@@ -15,47 +16,10 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..config import Layer, MindSpeedConfig, ResolvedConfig, Setting, parse_reshard, resolve, settings
-from ..value_kinds import parse_flag
+from ..config import MindSpeedConfig, ResolvedConfig, Setting, resolve_for, settings
+from ..config.sources import ARGUMENTS_SOURCE, Layer, arguments_layer, hf_fsdp_layer
 
-ARGUMENTS_SOURCE = "training arguments (mindspeed_*)"
-
-
-def hf_fsdp_layer(args: TrainingArguments) -> Layer:
-    """What plain TrainingArguments state about our settings: `fsdp_config` (version 2: reshard_after_forward;
-    cpu_offload, activation_checkpointing) and `parallelism_config` sizes."""
-    from .fsdp_plan import hf_fsdp_settings
-
-    values: dict[str, Any] = {}
-    names: dict[str, str] = {}
-    fsdp = hf_fsdp_settings(args)
-    if fsdp is not None and fsdp["version"] == 2:
-        if fsdp["reshard_after_forward"] is not None:  # HF fills a default in; only a stated one counts
-            name = "fsdp_config['reshard_after_forward']"
-            values["parallel.reshard_after_forward"] = parse_reshard(fsdp["reshard_after_forward"], name)
-            names["parallel.reshard_after_forward"] = name
-        for path, key in (("parallel.cpu_offload", "cpu_offload"), ("memory.recompute", "activation_checkpointing")):
-            if parse_flag(fsdp[key], f"fsdp_config['{key}']"):
-                values[path], names[path] = True, f"fsdp_config['{key}']"
-    pc = getattr(args, "parallelism_config", None)
-    if pc is not None:
-        for ours, theirs in (("dp_replicate", "dp_replicate_size"), ("dp_shard", "dp_shard_size"), ("cp", "cp_size")):
-            size = getattr(pc, theirs, None)
-            if size is not None:
-                values[f"parallel.{ours}"], names[f"parallel.{ours}"] = int(size), f"parallelism_config.{theirs}"
-    return Layer("TrainingArguments (fsdp_config / parallelism_config)", values, names)
-
-
-def resolve_for(args: TrainingArguments | None, base: MindSpeedConfig | None = None) -> ResolvedConfig:
-    """The accelerator config for a trainer given `args`: its set mindspeed_* fields and its FSDP settings as
-    explicit layers, over `base` (a config given to enable()) or else the environment / YAML / defaults."""
-    explicit = []
-    if args is not None:
-        explicit.append(hf_fsdp_layer(args))
-        if isinstance(args, _MindSpeedFields):
-            explicit.append(args.mindspeed_layer())
-    from ..memory.recompute import checkpointing_layer  # HF's own gradient_checkpointing=True: full recompute
-    return resolve(explicit, base=base, fallback=[checkpointing_layer(args)] if args is not None else None)
+__all__ = ["ARGUMENTS_SOURCE", "MindSpeedTrainingArguments", "hf_fsdp_layer", "resolve_for"]
 
 
 class _MindSpeedFields:
@@ -75,12 +39,7 @@ class _MindSpeedFields:
 
     def mindspeed_layer(self) -> Layer:
         """The mindspeed_* fields that were set, as setting path -> value."""
-        values = {}
-        for setting in settings():
-            value = getattr(self, setting.argument)
-            if value is not None:
-                values[setting.path] = value.lower() if setting.key == "backend" else value
-        return Layer(ARGUMENTS_SOURCE, values, {path: f"mindspeed_{path.rpartition('.')[2]}" for path in values})
+        return arguments_layer(self)
 
     def mindspeed_resolved(self) -> ResolvedConfig:
         """The config these arguments give, with where each setting came from."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .. import parallel
 from ..config import ACCELERATE_SOURCE, ParallelConfig, ResolvedConfig
+from ..config.sources import hf_fsdp_settings
 from ..value_kinds import parse_flag
 
 logger = logging.getLogger("mindspeed_hf")
@@ -44,43 +45,9 @@ class FsdpPlan:
 
 
 # ---------------------------------------------------------------------------------------------- the request
-def hf_fsdp_settings(args: Any) -> dict[str, Any] | None:
-    """The FSDP request of TrainingArguments (`fsdp` + `fsdp_config`), the same across releases: transformers 5
-    normalises it into `fsdp_plugin_args`; 4.57 keeps the `fsdp` options and the `fsdp_config` dict (keys without
-    their `fsdp_` prefix) and hands the rest to accelerate through the environment. None: not asked for (or XLA)."""
-    if not getattr(args, "fsdp", None):
-        return None
-    config = getattr(args, "fsdp_config", None) or {}
-    if hasattr(args, "fsdp_plugin_args"):  # transformers 5
-        plugin = args.fsdp_plugin_args
-        if plugin is None:  # fsdp_config xla: not ours
-            return None
-        return {"version": int(plugin.get("fsdp_version", 2)), "auto_wrap_policy": plugin.get("auto_wrap_policy"),
-                "classes": plugin.get("transformer_cls_names_to_wrap"),
-                "state_dict_type": plugin.get("state_dict_type") if "state_dict_type" in config else None,
-                "reshard_after_forward": config.get("reshard_after_forward"),
-                **{k: plugin.get(k, False) for k in ("cpu_offload", "activation_checkpointing",
-                                                     "cpu_ram_efficient_loading")}}
-    if config.get("xla"):
-        return None
-    options = {str(getattr(o, "value", o)) for o in args.fsdp} if isinstance(args.fsdp, list) else set()
-    classes = config.get("transformer_layer_cls_to_wrap")
-    reshard = config.get("reshard_after_forward")
-    if reshard is None and "shard_grad_op" in options:  # ZeRO-2 strategy: a statement (full_shard is also what
-        reshard = False  # 4.57 makes of fsdp=True, and the default anyway)
-    policy = None
-    if "auto_wrap" in options:
-        policy = "SIZE_BASED_WRAP" if config.get("min_num_params", 0) > 0 else "TRANSFORMER_BASED_WRAP"
-    return {"version": int(config.get("version", 1)), "auto_wrap_policy": policy,
-            "classes": ",".join(classes) if isinstance(classes, list | tuple) else classes,
-            "state_dict_type": config.get("state_dict_type"),
-            "reshard_after_forward": reshard, "cpu_offload": "offload" in options,
-            **{k: config.get(k, False) for k in ("activation_checkpointing", "cpu_ram_efficient_loading")}}
-
-
 def _hf_request(args: Any) -> dict[str, Any] | None:
     """FSDP asked for through TrainingArguments. Its knobs (reshard_after_forward, cpu_offload,
-    activation_checkpointing) are settings: see arguments.py."""
+    activation_checkpointing) are settings: see mindspeed_hf.config.sources.hf_fsdp_layer."""
     settings = hf_fsdp_settings(args)
     if settings is None:
         return None

@@ -43,6 +43,7 @@ def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpe
     """Resolve the config of `trainer` (before Trainer.__init__): it belongs to this trainer and its model, not
     to the process. Contradictions fail here, before anything is patched or built."""
     resolved = resolve_config(args)
+    resolved.log_overrides()  # once per trainer (the resolution itself is shared with the arguments' validation)
     deepspeed.check_exclusive(args, resolved)  # DeepSpeed shards the model itself: not with our FSDP2 / CP / EP
     if getattr(args, "use_liger_kernel", False) and not seams.available("apply_liger_kernel"):
         import transformers

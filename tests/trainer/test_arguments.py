@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pytest
 import yaml
@@ -92,3 +93,31 @@ def test_fields_are_generated_from_the_settings():
         f = fields[setting.argument]
         assert f.default is None  # not set: the lower layers decide
         assert setting.help in f.metadata["help"] and setting.env in f.metadata["help"]
+
+
+def test_one_trainer_resolves_once_and_logs_each_override_once(tmp_path, monkeypatch, caplog):
+    """An override (MINDSPEED_HF_KERNELS_ROPE=false under mindspeed_rope=True) is one log line per Trainer
+    construction - the arguments validated, then the trainer set up - and the layers are resolved once."""
+    import importlib
+
+    from test_wiring import dataset, quick_args, tiny_model
+
+    import mindspeed_hf
+    from mindspeed_hf.trainers import MindSpeedTrainer
+
+    resolving = importlib.import_module("mindspeed_hf.config.resolve")  # the module; config.resolve is the function
+    monkeypatch.setenv("MINDSPEED_HF_KERNELS_ROPE", "false")
+    mindspeed_hf.enable()  # as `import mindspeed_hf` does: the process config, resolved before any trainer
+    merges = []
+    merge = resolving._merge
+    monkeypatch.setattr(resolving, "_merge", lambda *layers: merges.append(layers) or merge(*layers))
+    monkeypatch.setattr(resolving, "_RESOLVED", {})
+    with caplog.at_level(logging.INFO, logger="mindspeed_hf"):
+        args = quick_args(tmp_path, MindSpeedTrainingArguments, mindspeed_rope=True)
+        trainers = [MindSpeedTrainer(model=tiny_model(), args=args, train_dataset=dataset()) for _ in range(2)]
+    lines = [r.getMessage() for r in caplog.records if "overrides" in r.getMessage()]
+    assert lines == 2 * ["mindspeed_hf: kernels.rope=True from the training arguments (mindspeed_*) overrides False "
+                         "from the environment (MINDSPEED_HF_*)"]  # one per trainer
+    assert len(merges) == 1
+    assert all(t._mindspeed_config.kernels.rope is True for t in trainers)
+    assert trainers[0]._mindspeed_config is not trainers[1]._mindspeed_config  # each trainer owns its config
