@@ -95,10 +95,13 @@ def _print_uncaught_as_one_line(err: BaseException) -> None:
     def excepthook(kind: type, value: BaseException, traceback: Any) -> None:
         if value is not err:
             return previous(kind, value, traceback)
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":  # every rank finds the same settings error
+        if os.environ.get("RANK", "0") == "0":  # every rank finds the same settings error: rank 0 says it
             print(f"mindspeed_hf: error: {' '.join(str(value).split())} (MINDSPEED_HF_LOG_LEVEL=DEBUG shows the "
-                  "traceback)", file=sys.stderr)
+                  "traceback)", file=sys.stderr, flush=True)
+        else:  # under torchrun: let rank 0's line out before this exit makes torchrun stop the group
+            import time
+
+            time.sleep(2)
 
     sys.excepthook = excepthook
 
