@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import compat
+
 # package root of a Trainer subclass -> (framework name, distribution name for its version)
 FRAMEWORKS: dict[str, tuple[str, str]] = {
     "llamafactory": ("LLaMA-Factory", "llamafactory"),
@@ -156,7 +158,7 @@ def _packing_notes(trainer: Any, name: str | None, model: Any) -> list[str]:
     """Packing / padding-free modes that key on the attention implementation's name."""
     notes = []
     config = getattr(_unwrap(model), "config", None)
-    attention = getattr(config, "_attn_implementation", None)
+    attention = compat.attn_implementation(config)
     if name == "TRL" and getattr(trainer, "padding_free", False) and attention == "mindspeed":
         notes.append("TRL padding_free with attention 'mindspeed': TRL's warning about non-flash attention does "
                      "not apply (our attention is varlen: the packed rows stay apart by position_ids)")

@@ -23,7 +23,7 @@ from ..config import MindSpeedConfig, ResolvedConfig
 from ..memory.recompute import absorb_hf_checkpointing
 from ..parallel.parallelize import ParallelizeOptions, parallelize
 from ..patches import apply, scope
-from . import deepspeed, fsdp, seams
+from . import deepspeed, frameworks, fsdp, seams
 from .arguments import resolve_for
 from .context import split_inputs
 from .enabling import enable
@@ -140,8 +140,10 @@ def is_accelerated(trainer: Trainer) -> bool:
 
 
 def after_init(trainer: Trainer) -> None:
-    """Checks once Trainer.__init__ is done: FSDP2 takeover; say once that Liger's patching is off for our model."""
+    """Checks once Trainer.__init__ is done: FSDP2 takeover; the fine-tuning framework driving the trainer and any
+    of its kernel options that replaced ours (one line); say once that Liger's patching is off for our model."""
     fsdp.check_after_init(trainer)
+    frameworks.log_once(trainer, logger)
     if getattr(trainer.args, "use_liger_kernel", False) and is_accelerated(trainer):
         logger.warning(
             "mindspeed_hf: use_liger_kernel=True, but mindspeed_hf already accelerates this model; Liger's "
