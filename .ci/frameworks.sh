@@ -2,7 +2,8 @@
 # The fine-tuning frameworks' own command lines with `import mindspeed_hf` in a sitecustomize, against their plain
 # runs (docs/frameworks.md). Builds the LLaMA-Factory 0.9.5 environment from scratch OUTSIDE the repository
 # (default /tmp/mindspeed_fw/llamafactory, or $FW_ROOT/llamafactory), then runs tests/frameworks in it.
-# Measured on the 2-core machine: install about 5 min, the tests about 6 min.
+# Measured on the 2-core machine: install about 5 min (quiet machine), the tests about 4.5 min.
+# FW_SWIFT=1 also builds ms-swift 4.6.0's environment and runs tests/frameworks/test_swift.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -36,3 +37,20 @@ echo "== install: $(( $(date +%s) - start )) s"
 test_start=$(date +%s)
 python -m pytest -q tests/frameworks -p no:cacheprovider
 echo "== tests: $(( $(date +%s) - test_start )) s; total $(( $(date +%s) - start )) s"
+deactivate
+
+# ms-swift 4.6.0 (opt-in, FW_SWIFT=1: about 10 more minutes): its `swift sft` plain vs accelerated.
+if [ "${FW_SWIFT:-0}" = "1" ]; then
+    swift_start=$(date +%s)
+    rm -rf "$FW_ROOT/swift"
+    python3 -m venv "$FW_ROOT/swift"
+    # shellcheck disable=SC1091
+    source "$FW_ROOT/swift/bin/activate"
+    python -m pip install -q torch==2.13.0
+    PIP_CONSTRAINT="$FW_ROOT/constraints.txt" python -m pip install -q ms-swift==4.6.0 pytest
+    python -m pip install -q --no-deps -e "$REPO"
+    python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|peft|trl|ms-swift) '
+    python -m pytest -q tests/frameworks/test_swift.py -p no:cacheprovider
+    echo "== ms-swift: $(( $(date +%s) - swift_start )) s"
+    deactivate
+fi
