@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..value_kinds import parse_flag, unknown_names
+from .axes import AXES
 from .schema import ENV_PREFIX, SETTINGS, MindSpeedConfig, flatten, settings
 
 
@@ -88,9 +89,7 @@ def yaml_layer(source: str | os.PathLike | Mapping[str, Any] | None = None,
 
 # accelerate launch exports an accelerate YAML as these variables; the ones our settings mean too.
 ACCELERATE_SOURCE = "accelerate launch environment"
-_ACCELERATE_SIZES = {"parallel.dp_replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
-                     "parallel.dp_shard": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
-                     "parallel.cp": "PARALLELISM_CONFIG_CP_SIZE"}
+_ACCELERATE_SIZES = {axis.path: axis.accelerate_env for axis in AXES if axis.accelerate}  # from the one table
 _ACCELERATE_FSDP = {"parallel.reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
                     "parallel.cpu_offload": "FSDP_OFFLOAD_PARAMS",
                     "memory.recompute": "FSDP_ACTIVATION_CHECKPOINTING"}
@@ -156,28 +155,29 @@ def hf_fsdp_settings(args: Any) -> dict[str, Any] | None:
     if not getattr(args, "fsdp", None):
         return None
     config = getattr(args, "fsdp_config", None) or {}
+    # The `fsdp` options (4.57 .. 5.19 keep the list of FSDPOption; later releases take fsdp=True and fsdp_config).
+    options = {str(getattr(o, "value", o)) for o in args.fsdp} if isinstance(args.fsdp, list) else set()
+    classes = config.get("transformer_layer_cls_to_wrap")
+    classes = ",".join(classes) if isinstance(classes, list | tuple) else classes
+    reshard = config.get("reshard_after_forward")
+    if reshard is None and "shard_grad_op" in options:  # ZeRO-2 strategy: a statement (full_shard is also what
+        reshard = False  # fsdp=True means, and the default anyway)
     if hasattr(args, "fsdp_plugin_args"):  # transformers 5
         plugin = args.fsdp_plugin_args
         if plugin is None:  # fsdp_config xla: not ours
             return None
         return {"version": int(plugin.get("fsdp_version", 2)), "auto_wrap_policy": plugin.get("auto_wrap_policy"),
-                "classes": plugin.get("transformer_cls_names_to_wrap"),
+                "classes": plugin.get("transformer_cls_names_to_wrap") or classes,
                 "state_dict_type": plugin.get("state_dict_type") if "state_dict_type" in config else None,
-                "reshard_after_forward": config.get("reshard_after_forward"),
+                "reshard_after_forward": reshard,
                 **{k: plugin.get(k, False) for k in ("cpu_offload", "activation_checkpointing",
                                                      "cpu_ram_efficient_loading")}}
     if config.get("xla"):
         return None
-    options = {str(getattr(o, "value", o)) for o in args.fsdp} if isinstance(args.fsdp, list) else set()
-    classes = config.get("transformer_layer_cls_to_wrap")
-    reshard = config.get("reshard_after_forward")
-    if reshard is None and "shard_grad_op" in options:  # ZeRO-2 strategy: a statement (full_shard is also what
-        reshard = False  # 4.57 makes of fsdp=True, and the default anyway)
     policy = None
     if "auto_wrap" in options:
         policy = "SIZE_BASED_WRAP" if config.get("min_num_params", 0) > 0 else "TRANSFORMER_BASED_WRAP"
-    return {"version": int(config.get("version", 1)), "auto_wrap_policy": policy,
-            "classes": ",".join(classes) if isinstance(classes, list | tuple) else classes,
+    return {"version": int(config.get("version", 1)), "auto_wrap_policy": policy, "classes": classes,
             "state_dict_type": config.get("state_dict_type"),
             "reshard_after_forward": reshard, "cpu_offload": "offload" in options,
             **{k: config.get(k, False) for k in ("activation_checkpointing", "cpu_ram_efficient_loading")}}
@@ -199,10 +199,11 @@ def hf_fsdp_layer(args: Any) -> Layer:
                 values[path], names[path] = True, f"fsdp_config['{key}']"
     pc = getattr(args, "parallelism_config", None)
     if pc is not None:
-        for ours, theirs in (("dp_replicate", "dp_replicate_size"), ("dp_shard", "dp_shard_size"), ("cp", "cp_size")):
-            size = getattr(pc, theirs, None)
+        for axis in AXES:
+            theirs = axis.accelerate_attribute
+            size = getattr(pc, theirs, None) if theirs else None
             if size is not None:
-                values[f"parallel.{ours}"], names[f"parallel.{ours}"] = int(size), f"parallelism_config.{theirs}"
+                values[axis.path], names[axis.path] = int(size), f"parallelism_config.{theirs}"
     return Layer("TrainingArguments (fsdp_config / parallelism_config)", values, names)
 
 
