@@ -159,7 +159,23 @@ def switch(op: str, fast: Callable, original: Callable) -> Callable:
 
     @functools.wraps(original)
     def dispatch(*args: Any, **kwargs: Any) -> Any:
+        owner = vars(args[0]) if args and isinstance(args[0], nn.Module) else {}
+        if "_mindspeed_ran" in owner and not owner.get("_mindspeed_tokens"):
+            # the model's forward called directly, past its hooks (PEFT's tuner calls `model.forward(...)`): its
+            # config and counter apply all the same
+            with _inside(args[0], owner.get("_mindspeed_config")):
+                return (fast if kernel_on(op) else original)(*args, **kwargs)
         return (fast if kernel_on(op) else original)(*args, **kwargs)
 
     dispatch._mindspeed_op = op
     return dispatch
+
+
+@contextlib.contextmanager
+def _inside(model: nn.Module, config: MindSpeedConfig | None) -> Iterator[None]:
+    """What the model's own hooks do around its forward, for a forward that was called past them."""
+    _enter(config, ran(model))(model, ())
+    try:
+        yield
+    finally:
+        _leave(model, (), None)
