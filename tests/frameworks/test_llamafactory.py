@@ -85,8 +85,8 @@ def test_llamafactory_cli_matches_plain(variant, assets, tmp_path):
         assert dump["hf_gradient_checkpointing"], "LLaMA-Factory did not turn gradient checkpointing on"
     assert "mindspeed_hf:" in log
     if variant == "lora" and not ran.get("fused_linear_cross_entropy"):
-        # PEFT's LoraModel.forward calls the causal LM's .forward directly (peft/tuners/tuners_utils.py,
-        # BaseTuner.forward), past the model's forward hooks that count what ran: the fused loss runs (the skip
-        # decision is taken, see docs/frameworks.md) but is not counted. Everything else above was checked.
-        pytest.xfail("fused loss under PEFT LoRA not counted by report()['ran'] (forward hooks bypassed)")
+        # Not found yet: a plain Trainer with PEFT 0.18 LoRA (and its direct `.forward` call) in this same
+        # environment counts the fused loss (tests/models/test_lora.py), LLaMA-Factory's LoRA run does not.
+        # Everything else above was checked.
+        pytest.xfail("fused loss not counted under LLaMA-Factory's LoRA (cause not found; see docs/frameworks.md)")
     assert ran.get("fused_linear_cross_entropy", 0) > 0, ran
