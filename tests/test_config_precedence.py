@@ -17,7 +17,7 @@ from mindspeed_hf.trainers import MindSpeedTrainingArguments
 # A valid non-default value per setting that is valid on its own (cp_ulysses needs a cp it divides: tested with
 # the context-parallel settings).
 VALUES = {"backend": "torch", "kernels.loss_chunk_size": 96, "kernels.skip_logits": "always",
-          "parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.cp": 2,
+          "parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.cp": 2, "parallel.tp": 2,
           "parallel.prefetch": 3, "memory.offload_min_bytes": 4096}
 with contextlib.suppress(ValueError):  # transformers 4.57 refuses ep > 1 (test_expert_parallel checks how)
     check_ep_release(2)
@@ -26,6 +26,7 @@ with contextlib.suppress(ValueError):  # transformers 4.57 refuses ep > 1 (test_
 ACCELERATE = {"parallel.dp_replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
               "parallel.dp_shard": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
               "parallel.cp": "PARALLELISM_CONFIG_CP_SIZE",
+              "parallel.tp": "PARALLELISM_CONFIG_TP_SIZE",
               "parallel.reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
               "parallel.cpu_offload": "FSDP_OFFLOAD_PARAMS",
               "memory.recompute": "FSDP_ACTIVATION_CHECKPOINTING"}
@@ -73,6 +74,47 @@ def _only(setting, value) -> MindSpeedConfig:
     target = config if setting.section is None else getattr(config, setting.section)
     setattr(target, setting.key, value)
     return config
+
+
+def test_every_axis_name_derives_from_the_one_table():
+    """AXES (dp_replicate, dp_shard, cp, ep, tp): the setting, its flag, its variable, accelerate's variable and
+    parallelism_config attribute, the mesh dim - each the name the rest of the package uses."""
+    from types import SimpleNamespace
+
+    from mindspeed_hf.config import AXES, hf_fsdp_layer
+    from mindspeed_hf.config.schema import SETTINGS as SETTINGS_BY_PATH
+    from mindspeed_hf.config.sources import _ACCELERATE_SIZES
+
+    assert [a.name for a in AXES] == ["dp_replicate", "dp_shard", "cp", "ep", "tp"]
+    for axis in AXES:
+        setting = SETTINGS_BY_PATH[axis.path]
+        assert (axis.argument, axis.flag, axis.env) == (setting.argument, f"--{setting.argument}", setting.env)
+        assert axis.env == f"MINDSPEED_HF_PARALLEL_{axis.name.upper()}"
+        assert _ACCELERATE_SIZES.get(axis.path) == axis.accelerate_env
+    assert AXES[-1].accelerate_env == "PARALLELISM_CONFIG_TP_SIZE" and AXES[-1].accelerate_attribute == "tp_size"
+    assert AXES[3].accelerate_env is None  # accelerate has no expert-parallel size
+    pc = SimpleNamespace(dp_replicate_size=1, dp_shard_size=2, cp_size=1, tp_size=2)
+    layer = hf_fsdp_layer(SimpleNamespace(fsdp=None, parallelism_config=pc))
+    assert (layer.values["parallel.tp"], layer.names["parallel.tp"]) == (2, "parallelism_config.tp_size")
+    assert "parallel.ep" not in layer.values
+
+
+def test_tp_setting_in_every_source(tmp_path):
+    """parallel.tp from the YAML, MINDSPEED_HF_PARALLEL_TP, --mindspeed_tp, accelerate's PARALLELISM_CONFIG_TP_SIZE;
+    a bad value names where it came from."""
+    (tmp_path / "c.yaml").write_text("parallel: {tp: 2}\n")
+    assert resolve(env={"MINDSPEED_HF_CONFIG": str(tmp_path / "c.yaml")}).config.parallel.tp == 2
+    assert resolve(env={"MINDSPEED_HF_PARALLEL_TP": "4"}).describe("parallel.tp") == (
+        "MINDSPEED_HF_PARALLEL_TP=4 (environment (MINDSPEED_HF_*))")
+    (flagged,) = HfArgumentParser(MindSpeedTrainingArguments).parse_args_into_dataclasses(
+        args=["--output_dir", str(tmp_path), "--mindspeed_tp", "2"])
+    assert flagged.mindspeed_resolved().describe("parallel.tp") == "mindspeed_tp=2 (training arguments (mindspeed_*))"
+    accelerate = resolve(env={**ACCELERATE_FSDP2, "PARALLELISM_CONFIG_TP_SIZE": "2"})
+    assert accelerate.describe("parallel.tp") == "PARALLELISM_CONFIG_TP_SIZE=2 (accelerate launch environment)"
+    with pytest.raises(ValueError, match=r"^MINDSPEED_HF_PARALLEL_TP='two' must be an integer"):
+        resolve(env={"MINDSPEED_HF_PARALLEL_TP": "two"})
+    with pytest.raises(ValueError, match=r"parallel\.tp=0 must be >= 1"):
+        resolve(yaml_source={"parallel": {"tp": 0}})
 
 
 def test_precedence_on_one_setting(tmp_path):

@@ -11,6 +11,7 @@ error; a lower layer overridden by a higher one is logged once. Unknown keys and
 model is built, naming the setting and the valid choices.
 """
 
+from .axes import AXES, AXIS, SIZE_PATHS, WORLD_AXES, Axis
 from .resolve import Override, ResolvedConfig, load_config, resolve, resolve_for, resolve_layers
 from .schema import (
     BACKEND_CHOICES,
@@ -46,6 +47,7 @@ from .sources import (
 )
 
 __all__ = [
+    "AXES", "AXIS", "SIZE_PATHS", "WORLD_AXES", "Axis",
     "ACCELERATE_SOURCE", "ARGUMENTS_SOURCE", "BACKEND_CHOICES", "ENV_PREFIX", "EP_MIN_TRANSFORMERS", "OTHER_VARIABLES",
     "RECOMPUTE_MODULES", "SECTIONS", "TRAIN_RECIPES", "KernelConfig", "Layer", "MemoryConfig", "MindSpeedConfig",
     "Override", "ParallelConfig", "ResolvedConfig", "Setting", "accelerate_env_layer", "check_ep_release",

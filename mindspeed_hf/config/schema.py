@@ -83,7 +83,8 @@ class KernelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Device-mesh sizes and FSDP2 knobs. dp_shard=-1 takes what the other sizes leave of the world size."""
+    """Device-mesh sizes and FSDP2 knobs. dp_shard=-1 takes what the other sizes leave of the world size. The sizes
+    are the axes of config/axes.py (AXES), which derives every other name of them."""
 
     dp_replicate: int = _declare(1, integer(1), "data-parallel replicas (HSDP outer dimension)")
     dp_shard: int = _declare(-1, integer(1, ", or -1 to fill the world size", also=-1), "FSDP2 shard group size; -1 "
@@ -93,6 +94,10 @@ class ParallelConfig:
     ep: int = _declare(1, integer(1), "expert-parallel size for MoE models with fused experts (transformers >= 5): "
                        "each expert lives on one of ep ranks, borrowed from dp_shard * cp (must divide it and the "
                        "number of experts)")
+    tp: int = _declare(1, integer(1), "tensor-parallel size: each projection's weight is split across tp ranks "
+                       "(column / row parallel from the family's base_model_tp_plan, sequence parallel norms); the "
+                       "world is dp_replicate x dp_shard x cp x tp, FSDP2 shards over the data-parallel ranks only; "
+                       "needs untied embeddings, not yet with cp, ep or DeepSpeed")
     cp_ulysses: int = _declare(1, integer(1), "Ulysses (all-to-all heads <-> sequence) ranks inside the cp group; the "
                                "rest (cp / cp_ulysses) form the ring; must divide cp and the attention heads")
     cp_zigzag: bool = _declare(True, boolean(), "context parallelism cuts each ring rank's share into two chunks "

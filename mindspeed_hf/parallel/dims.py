@@ -4,7 +4,8 @@
 expert-parallel size that borrows ranks from the sharded dimension, validates it before any process
 group exists, and builds one named :class:`~torch.distributed.device_mesh.DeviceMesh`:
 
-* real axes, outermost first: ``"dp_replicate"``, ``"dp_shard"``, ``"cp"``;
+* real axes, outermost first: ``"dp_replicate"``, ``"dp_shard"``, ``"cp"``, ``"tp"`` (the world-mesh rows of
+  mindspeed_hf.config.axes.AXES; tp innermost: the ranks of a tp group are neighbours);
 * flattened views: ``"dp"`` (replicate x shard: the batch is split over these ranks),
   ``"dp_shard_cp"`` (shard x cp: what FSDP shards parameters over) and ``"dp_cp"``;
 * the cp axis cut into ``"cp_ring"`` x ``"cp_ulysses"`` (Ulysses innermost: cp rank = ring rank * cp_ulysses +
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..config.axes import WORLD_AXES
 from ..device import detect_device_type, dist_backend, import_torch_npu
 
 __all__ = [
@@ -42,8 +44,8 @@ __all__ = [
     "init_distributed",
 ]
 
-#: process-group backend per device type (shared with mindspeed_hf.device)
-MESH_DIM_NAMES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp")
+#: the world mesh's dimensions, outermost first, from the one table of axes (config/axes.py AXES)
+MESH_DIM_NAMES: tuple[str, ...] = WORLD_AXES
 
 
 def init_distributed(
@@ -148,6 +150,7 @@ class ParallelDims:
         cp: context-parallel ranks (a sequence is split over them; they also shard parameters).
         cp_ulysses: the Ulysses ranks inside cp (innermost); the ring spans ``cp / cp_ulysses`` of them.
         ep: expert-parallel ranks, borrowed from ``dp_shard * cp`` (must divide it).
+        tp: tensor-parallel ranks (innermost axis; not yet together with cp or ep).
         world_size: number of processes.
 
     Raises:
@@ -161,6 +164,7 @@ class ParallelDims:
     ep: int = 1
     world_size: int = field(default=-1)
     cp_ulysses: int = 1
+    tp: int = 1
     _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -173,7 +177,7 @@ class ParallelDims:
                 f"world_size must be a positive integer (or -1 inside an initialised process "
                 f"group), got world_size={ws!r}"
             )
-        for name in ("dp_replicate", "cp", "cp_ulysses", "ep"):
+        for name in ("dp_replicate", "cp", "cp_ulysses", "ep", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(
@@ -187,20 +191,26 @@ class ParallelDims:
         if self.cp % self.cp_ulysses:
             raise ValueError(f"cp_ulysses={self.cp_ulysses} must divide cp={self.cp}; valid choices for "
                              f"cp_ulysses: {_divisors(self.cp)}")
+        for other in ("cp", "ep"):  # not supported together yet: refused in one line
+            if self.tp > 1 and getattr(self, other) > 1:
+                raise ValueError(f"tp={self.tp} with {other}={getattr(self, other)}: tensor parallelism together with "
+                                 f"{'context' if other == 'cp' else 'expert'} parallelism is not supported yet; valid "
+                                 f"choices: tp=1 or {other}=1")
+        tp_names, tp_sizes = (" * tp", f" * {self.tp}") if self.tp > 1 else ("", "")
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.cp
+            rest = self.dp_replicate * self.cp * self.tp
             if ws % rest:
                 raise ValueError(
-                    f"dp_shard=-1 cannot be filled in: dp_replicate * cp = {self.dp_replicate} * "
-                    f"{self.cp} = {rest} does not divide world_size={ws}; valid choices for "
-                    f"dp_replicate * cp: {_divisors(ws)}"
+                    f"dp_shard=-1 cannot be filled in: dp_replicate * cp{tp_names} = {self.dp_replicate} * "
+                    f"{self.cp}{tp_sizes} = {rest} does not divide world_size={ws}; valid choices for "
+                    f"dp_replicate * cp{tp_names}: {_divisors(ws)}"
                 )
             self.dp_shard = ws // rest
-        product = self.dp_replicate * self.dp_shard * self.cp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != ws:
             raise ValueError(
-                f"dp_replicate * dp_shard * cp = {self.dp_replicate} * {self.dp_shard} * {self.cp} "
-                f"= {product} must equal world_size={ws}; valid choices: sizes whose product is "
+                f"dp_replicate * dp_shard * cp{tp_names} = {self.dp_replicate} * {self.dp_shard} * {self.cp}"
+                f"{tp_sizes} = {product} must equal world_size={ws}; valid choices: sizes whose product is "
                 f"{ws} (divisors: {_divisors(ws)}), or dp_shard=-1 to fill in"
             )
         if self.fsdp_size % self.ep:
@@ -246,6 +256,15 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def same_batch_size(self) -> int:
+        """Ranks that see the same batch (the axes of AXES marked same_batch: cp x tp)."""
+        return self.cp * self.tp
+
+    @property
     def world_mesh(self) -> DeviceMesh:
         """The mesh from the last :meth:`build_mesh` call."""
         if self._world_mesh is None:
@@ -256,7 +275,7 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Build the named world mesh (collective: every rank must call it).
 
-        Axes ``dp_replicate, dp_shard, cp`` (sizes may be 1) plus the flattened views ``dp``,
+        Axes ``dp_replicate, dp_shard, cp, tp`` (sizes may be 1) plus the flattened views ``dp``,
         ``dp_shard_cp`` and ``dp_cp``; with ``ep > 1`` also the expert mesh (:func:`expert_mesh`).
         """
         dist_backend(device_type)  # validates the device type
@@ -267,7 +286,7 @@ class ParallelDims:
             )
         mesh = init_device_mesh(
             device_type,
-            (self.dp_replicate, self.dp_shard, self.cp),
+            tuple(getattr(self, name) for name in MESH_DIM_NAMES),
             mesh_dim_names=MESH_DIM_NAMES,
         )
         # Keep the flattened meshes ourselves: slicing a flattened name from the root works
@@ -294,7 +313,7 @@ class ParallelDims:
         return mesh
 
     def get_mesh(self, name: str) -> DeviceMesh:
-        """A named view of the built mesh: an axis (``dp_replicate``, ``dp_shard``, ``cp``), a
+        """A named view of the built mesh: an axis (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``), a
         flattened view (``dp``, ``dp_shard_cp``, ``dp_cp``), ``hsdp`` (2-D replicate x shard), the cp group's
         ``cp_ring`` and ``cp_ulysses`` (Ulysses innermost), and only with
         ``ep > 1``: ``expert`` (3-D ``dp_replicate x efsdp x ep``), ``ep``, ``efsdp`` and ``expert_fsdp``."""

@@ -2,6 +2,9 @@
 
 The steps run in this order, each a small function `step(model, dims, config, options) -> model`:
 
+    0. tp          parallel.tp > 1: Megatron-style column / row sharding of the projections over the tp mesh, from
+                   the family's base_model_tp_plan, with sequence-parallel norms (parallel/tensor.py); refused
+                   for a model already tensor-parallel (transformers' tp_plan="auto": DTensor parameters)
     1. ep          parallel.ep > 1: each fused experts module keeps E/ep experts (DTensor Shard(0) on the ep mesh)
                    and exchanges tokens with the other ep ranks (parallel/expert.py)
        cp          parallel.cp > 1: attention runs over the cp group (ring / Ulysses / hybrid,
@@ -9,7 +12,9 @@ The steps run in this order, each a small function `step(model, dims, config, op
     2. recompute   memory.recompute*: non-reentrant activation checkpointing, full or selective
        offload     memory.offload_*: asynchronous activation offload of the chosen decoder layers (memory/offload.py)
     3. fsdp        parallel.*: FSDP2 / HSDP over the mesh `dims` built (the experts on expert_fsdp first, then
-                   each decoder layer, the embeddings, the final norm + lm_head, the root)
+                   each decoder layer, the embeddings, the final norm + lm_head, the root),
+                   over the data-parallel ranks only (dp_shard x cp, x dp_replicate): under tp the
+                   parameters are 2-D DTensors (dp, tp)
 
 Context parallelism comes before recompute too (it changes what a layer computes); activation offload
 comes right after recompute (it wraps what recompute leaves); FSDP2 is always last, since it shards the
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import MindSpeedConfig
 from ..memory import apply_offload_config, apply_recompute_config
@@ -36,6 +42,7 @@ from .context.model import apply_context_parallel, context_parallel_from
 from .dims import ParallelDims, fsdp_mesh
 from .expert import adopt_native_ep, apply_expert_parallel, expert_fsdp_groups, native_expert_parallel
 from .fsdp import apply_fsdp, unwrap_hf_model
+from .tensor import apply_tensor_parallel, check_tensor_parallel
 
 __all__ = ["ParallelizeOptions", "STEPS", "parallelize", "register_step_override"]
 
@@ -52,6 +59,36 @@ class ParallelizeOptions:
 
 
 Step = Callable[[nn.Module, "ParallelDims | None", MindSpeedConfig, ParallelizeOptions], nn.Module]
+
+
+def _already_tensor_parallel(hf_model: nn.Module) -> str | None:
+    """How a model arrived tensor-parallel (transformers' tp_plan / distributed_config, or DTensor parameters from
+    anyone else), or None."""
+    if (getattr(hf_model, "_tp_size", None) or 1) > 1:
+        return f"transformers already sharded it (tp_plan, tp_size={hf_model._tp_size})"
+    dtensors = [n for n, p in hf_model.named_parameters() if isinstance(p, DTensor)]
+    if dtensors:
+        return f"its parameters are DTensors already ({dtensors[0]}, ...)"
+    return None
+
+
+def apply_tp(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
+             options: ParallelizeOptions) -> nn.Module:
+    """Step 0: tensor parallelism, when dims.tp > 1: the projections sharded column / row over the `tp` mesh with
+    sequence parallelism (parallel/tensor.py), checked first (check_tensor_parallel: a plan, divisible heads and
+    intermediate sizes, untied embeddings). A model that is tensor-parallel already is refused in one line: it
+    would be sharded twice."""
+    if dims is None or not dims.tp_enabled:
+        return model
+    hf_model = unwrap_hf_model(model)
+    already = _already_tensor_parallel(hf_model)
+    if already is not None:
+        raise ValueError(f"parallel.tp={dims.tp}: {type(hf_model).__name__} is tensor-parallel already ({already}); "
+                         "sharding it twice is refused; valid choices: parallel.tp=1 with a model transformers "
+                         "sharded, or load it without tp_plan")
+    check_tensor_parallel(hf_model, dims.tp)
+    apply_tensor_parallel(model, dims.get_mesh("tp"), sequence_parallel=True)
+    return model
 
 
 def apply_ep(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
@@ -153,8 +190,9 @@ def apply_fsdp2(model: nn.Module, dims: ParallelDims | None, config: MindSpeedCo
 
 
 #: The steps, in the order they apply.
-STEPS: tuple[tuple[str, Step], ...] = (("ep", apply_ep), ("cp", apply_cp), ("recompute", apply_recompute),
-                                      ("offload", apply_offload), ("fsdp", apply_fsdp2))
+STEPS: tuple[tuple[str, Step], ...] = (("tp", apply_tp), ("ep", apply_ep), ("cp", apply_cp),
+                                      ("recompute", apply_recompute), ("offload", apply_offload),
+                                      ("fsdp", apply_fsdp2))
 _OVERRIDES: dict[tuple[str, str], Step] = {}
 
 

@@ -1,4 +1,5 @@
-"""Context parallelism inside Trainer: the data split over dp only, each batch split across cp in compute_loss.
+"""Context (and tensor) parallelism inside Trainer: the data split over dp only, each batch split across cp in
+compute_loss (under tp every rank of a tp group trains on the same batch).
 
 With `parallel.cp > 1` the trainer's model went through parallelize's cp step (its attention runs over the cp
 group). Two hooks then make Trainer's own loop train it:
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config.axes import AXES
 from ..parallel.context import context_of, split_cp_batch
 
 __all__ = ["data_over_dp", "split_inputs"]
@@ -36,23 +38,27 @@ def split_inputs(model: Any, inputs: dict[str, Any], num_items_in_batch: Any) ->
 
 
 def data_over_dp(trainer: Any) -> None:
-    """Prepare the trainer's data loaders over dp only when its model runs context parallel (called once the
-    accelerator exists; the mesh is looked up when a loader is prepared, after the model was sharded)."""
+    """Prepare the trainer's data loaders over dp only when its model runs context or tensor parallel (the axes of
+    AXES marked same_batch: every rank of a cp or tp group gets the same batch). Called once the accelerator exists;
+    the mesh is looked up when a loader is prepared, after the model was sharded. accelerate's `prepare_data_loader`
+    reads our world mesh by its axis names (dp_replicate, dp_shard, cp, tp; tp innermost, then cp)."""
     plan = getattr(trainer, "_mindspeed_fsdp_plan", None)
-    if plan is None or plan.cp == 1:
+    if plan is None or plan.same_batch == 1:
         return
     accelerator = trainer.accelerator
     original = getattr(accelerator, "_prepare_device_mesh", None)
+    shared = ", ".join(f"{axis.path}={plan.size(axis)}" for axis in AXES if axis.same_batch and plan.size(axis) > 1)
     if not callable(original):  # the one accelerate internal this needs (accelerate 1.10 - 1.15 have it)
         import accelerate
 
-        raise RuntimeError(f"parallel.cp={plan.cp}: accelerate {accelerate.__version__} has no "
+        raise RuntimeError(f"{shared}: accelerate {accelerate.__version__} has no "
                            "Accelerator._prepare_device_mesh, which splits the data over dp only; valid choices: "
-                           "parallel.cp=1, or accelerate 1.10 - 1.15")
+                           f"{' and '.join(f'{axis.path}=1' for axis in AXES if axis.same_batch)}, or accelerate "
+                           "1.10 - 1.15")
 
     def prepare_device_mesh():
         state = getattr(trainer, "_mindspeed_fsdp", None)
-        if state is not None and state.dims.cp_enabled:
+        if state is not None and state.dims.same_batch_size > 1:
             return state.dims.world_mesh
         return original()
 

@@ -7,7 +7,7 @@ reduce-scatter its gradient (ops/fused_linear_cross_entropy.py). Two things are 
 are created (the wiring wraps `TrainingArguments.__post_init__`, a dataclass hook, and MindSpeedTrainingArguments
 calls the same functions):
 
-- `before_arguments`: our FSDP2 / context / expert parallelism together with DeepSpeed is refused with one line
+- `before_arguments`: our FSDP2 / context / expert / tensor parallelism together with DeepSpeed is refused with one line
   that says what to drop (`check_exclusive`). On a machine without an accelerator, under a multi-process launcher,
   DeepSpeed runs on CPU and accelerate counts the processes only with `use_cpu`; without it each rank would believe
   it is alone and HF would fill `train_batch_size` for one process. It is set (and logged) for such a run.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..config import ResolvedConfig
+from ..config import AXES, Axis, ResolvedConfig
 from ..device import detect_device_type
 from ..value_kinds import parse_flag
 
@@ -60,23 +60,30 @@ def _fsdp(args: Any, env: Mapping[str, str]) -> str | None:
     return None
 
 
+def _active(resolved: ResolvedConfig, axis: Axis) -> bool:
+    """The axis builds something: a size above 1, or dp_shard=-1 stated (shard over the whole world)."""
+    value = resolved.value(axis.path)
+    return value > 1 or (value == -1 and resolved.is_set(axis.path))
+
+
 def _ours(args: Any, resolved: ResolvedConfig, env: Mapping[str, str]) -> list[str]:
-    """mindspeed_hf's own parallelism that this trainer would build, each as 'what (asked by where)'."""
+    """mindspeed_hf's own parallelism that this trainer would build, each as 'what (asked by where)': the axes of
+    AXES that DeepSpeed excludes, grouped by what they build (dp_replicate and dp_shard: FSDP2)."""
     found = [fsdp] if (fsdp := _fsdp(args, env)) else []
-    p = resolved.config.parallel
-    shard = resolved.is_set("parallel.dp_shard") and p.dp_shard != 1  # -1 stated: shard over the whole world
-    if shard or p.dp_replicate > 1:
-        paths = [path for path in ("parallel.dp_shard", "parallel.dp_replicate") if resolved.is_set(path)]
-        found.append(f"FSDP2 ({', '.join(resolved.describe(path) for path in paths)})")
-    if p.cp > 1:
-        found.append(f"context parallelism ({resolved.describe('parallel.cp')})")
-    if p.ep > 1:
-        found.append(f"expert parallelism ({resolved.describe('parallel.ep')})")
+    groups: dict[str, list[Axis]] = {}
+    for axis in AXES:
+        if axis.deepspeed_excludes:
+            groups.setdefault(axis.what, []).append(axis)
+    for what, axes in groups.items():
+        if any(_active(resolved, axis) for axis in axes):
+            paths = [a.path for a in axes if resolved.is_set(a.path)] or [a.path for a in axes if _active(resolved, a)]
+            found.append(f"{what} ({', '.join(resolved.describe(path) for path in paths)})")
     return found
 
 
 def check_exclusive(args: Any, resolved: ResolvedConfig | None = None, env: Mapping[str, str] | None = None) -> None:
-    """Refuse DeepSpeed together with mindspeed_hf's FSDP2 / context / expert parallelism, before any work: both
+    """Refuse DeepSpeed together with mindspeed_hf's FSDP2 / context / expert / tensor parallelism, before any work:
+    both
     would shard the same model. ValueError naming both sides and what to drop. `resolved` defaults to the config a
     trainer given `args` would use."""
     env = os.environ if env is None else env

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from .. import parallel
 from ..device import detect_device_type
@@ -63,8 +64,7 @@ def build_dims(trainer: Any) -> parallel.ParallelDims:
     plan: FsdpPlan = trainer._mindspeed_fsdp_plan
     device_type = detect_device_type()
     parallel.init_distributed(device_type)
-    dims = parallel.ParallelDims(plan.dp_replicate, plan.dp_shard, plan.cp, plan.ep, world_size=dist.get_world_size(),
-                                 cp_ulysses=plan.cp_ulysses)
+    dims = plan.new_dims(dist.get_world_size())
     dims.build_mesh(device_type)
     trainer._mindspeed_fsdp = FsdpState(plan, dims, device_type)
     return dims
@@ -76,8 +76,12 @@ def log_sharded(trainer: Any) -> None:
     p = trainer._mindspeed_config.parallel
     dims = state.dims
     ep = f" ep={dims.ep} (efsdp={dims.efsdp_size})" if dims.ep_enabled else ""
-    logger.info("mindspeed_hf: FSDP2 on %s (requested by %s): dp_replicate=%d dp_shard=%d%s, reshard_after_forward=%s,"
-                " cpu_offload=%s, param dtype %s", state.device_type, "; ".join(state.plan.sources),
+    ep += f" tp={dims.tp}" if dims.tp_enabled else ""
+    what = "FSDP2" if dims.dp_replicate * dims.fsdp_size > 1 else "tensor parallelism"
+    if dims.tp_enabled and what == "FSDP2":
+        what += " x tensor parallelism"
+    logger.info("mindspeed_hf: %s on %s (requested by %s): dp_replicate=%d dp_shard=%d%s, reshard_after_forward=%s,"
+                " cpu_offload=%s, param dtype %s", what, state.device_type, "; ".join(state.plan.sources),
                 dims.dp_replicate, dims.dp_shard, ep, p.reshard_after_forward, p.cpu_offload,
                 low_precision(trainer._mindspeed_args) or "as stored")
 
@@ -243,6 +247,8 @@ def _defer_reduction(trainer: Any, original: Callable) -> contextlib.AbstractCon
     """Gradient accumulation: no reduction until the last micro-batch (Trainer's own version reads the mesh from a
     transformers DistributedConfig that our model does not have)."""
     dims = trainer._mindspeed_fsdp.dims
+    if not isinstance(trainer.model, FSDPModule):  # tensor parallel alone: no reduction across data ranks
+        return contextlib.nullcontext()
     return parallel.defer_gradient_reduction(trainer.model, hsdp=dims.dp_replicate > 1 and dims.fsdp_size > 1)
 
 

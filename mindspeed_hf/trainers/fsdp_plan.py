@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -20,28 +19,19 @@ import torch.distributed as dist
 from .. import parallel
 from ..config import ACCELERATE_SOURCE, ParallelConfig, ResolvedConfig
 from ..config.sources import hf_fsdp_settings
+from ..parallel.plan import AXES, AXIS, SIZE_PATHS, ParallelPlan
 from ..value_kinds import parse_flag
 
 logger = logging.getLogger("mindspeed_hf")
 
-_SIZE_PATHS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.ep")
-
-
-@dataclass(frozen=True)
-class FsdpPlan:
-    """What to build: mesh sizes (dp_shard -1 = fill the world) and FSDP2 knobs, plus who asked for it."""
-
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    ep: int
-    reshard_after_forward: bool
-    cpu_offload: bool
-    prefetch: int
-    cpu_ram_efficient_loading: bool
-    sources: tuple[str, ...]
-    layer_classes: tuple[str, ...] | None = None  # None: the model's _no_split_modules
-    cp_ulysses: int = 1  # Ulysses ranks inside cp (the rest form the ring)
+_SIZE_PATHS = SIZE_PATHS  # the sizes' setting paths, from the one table of axes (parallel/plan.py AXES)
+#: the plan of a trainer: ParallelPlan (the name kept for the callers that know it as FsdpPlan)
+FsdpPlan = ParallelPlan
+#: axes whose accelerate size alone (accelerate launch environment) asks for ours: accelerate's own would bypass our
+#: attention (cp) or shard the model its own way (tp)
+_TAKEN_FROM_ACCELERATE = (AXIS["cp"].path, AXIS["tp"].path)
+#: accelerate's ParallelismConfig axes that no row of AXES builds: refused before any work
+_NOT_OURS = {"sp": "sequence parallel"}
 
 
 # ---------------------------------------------------------------------------------------------- the request
@@ -91,14 +81,15 @@ def _say_what_differs(request: dict[str, Any]) -> None:
 
 
 def _refuse_other_axes(args: Any, env: Mapping[str, str]) -> None:
-    """accelerate's tensor / sequence parallel sizes: not ours to build; refuse them before any work."""
-    axes = ("tp", "sp")
+    """accelerate's parallel sizes of axes we do not build (sequence parallel: not a row of AXES); refuse them
+    before any work."""
+    axes = [name for name in _NOT_OURS if name not in AXIS]
     stated = [("accelerate launch environment", {k: env.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE") for k in axes})]
     pc = getattr(args, "parallelism_config", None)
     if pc is not None:
         stated.append(("TrainingArguments.parallelism_config", {k: getattr(pc, f"{k}_size", None) for k in axes}))
     for label, sizes in stated:
-        for name, why in (("tp", "tensor parallel"), ("sp", "sequence parallel")):
+        for name, why in ((name, _NOT_OURS[name]) for name in axes):
             if sizes.get(name) is not None and int(sizes[name]) > 1:
                 raise ValueError(f"{label}: {name} size {sizes[name]} ({why}) is not supported by mindspeed_hf's "
                                  f"Trainer FSDP2 integration; valid choices: {name} size 1")
@@ -112,7 +103,7 @@ def _sizes(resolved: ResolvedConfig, world: int) -> parallel.ParallelDims:
     """The mesh sizes, checked against the world size; the error names where each size came from."""
     p = resolved.config.parallel
     try:
-        return parallel.ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.ep, world_size=world,
+        return parallel.ParallelDims(**{axis.name: getattr(p, axis.name) for axis in AXES}, world_size=world,
                                      cp_ulysses=p.cp_ulysses)
     except ValueError as err:
         given = ", ".join(resolved.describe(path) for path in _SIZE_PATHS if resolved.is_set(path))
@@ -138,8 +129,8 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
     its PARALLELISM_CONFIG_CP_SIZE > 1 asks for it alone (our context parallelism replaces accelerate's). Sizes
     and knobs are the resolved config's (mindspeed_hf.config gives the precedence). Raises ValueError (naming the
     settings) for FSDP version 1 together with our sizes, different versions or layer classes from two sources,
-    tensor/sequence parallel sizes, and sizes that do not tile the world. `announce=False`: the same checks without
-    the log lines (a check made before the trainer, which says them).
+    sequence parallel sizes, tp with cp / ep, and sizes that do not tile the world. `announce=False`: the same
+    checks without the log lines (a check made before the trainer, which says them).
     """
     env = os.environ if env is None else env
     world = world_size_from(env) if world_size is None else world_size
@@ -155,7 +146,7 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
     # accelerate's own sizes configure our mesh once FSDP is asked for; alone they are accelerate's business, but
     # for cp > 1: accelerate's context parallel (torch's, SDPA only) would bypass our attention, so ours runs it
     ours = {path: source for path, source in sizes_set.items()
-            if source != ACCELERATE_SOURCE or (path == "parallel.cp" and resolved.config.parallel.cp > 1)}
+            if source != ACCELERATE_SOURCE or (path in _TAKEN_FROM_ACCELERATE and resolved.value(path) > 1)}
     if hf and hf["version"] != 2:
         if ours:
             raise ValueError(f"{hf['source']} asks for FSDP version {hf['version']}, which cannot be combined with "
@@ -168,7 +159,7 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
         return None
     _refuse_other_axes(args, env)
     dims = _sizes(resolved, world)
-    if dims.dp_replicate * dims.fsdp_size == 1:
+    if dims.dp_replicate * dims.fsdp_size * dims.tp == 1:
         if announce and _asks_for_sharding(requests, ours, resolved):
             logger.info("mindspeed_hf: FSDP asked for in a single process; nothing to shard")
         return None
@@ -180,9 +171,11 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
         _say_what_differs(request)
     p = resolved.config.parallel
     sources = tuple(r["source"] for r in requests) + tuple(dict.fromkeys(sizes_set.values()))
-    return FsdpPlan(dims.dp_replicate, dims.dp_shard, dims.cp, dims.ep, p.reshard_after_forward, p.cpu_offload,
-                    p.prefetch, bool(hf and hf["cpu_ram_efficient_loading"]), sources,
-                    next(iter(stated_classes), None), cp_ulysses=dims.cp_ulysses)
+    return ParallelPlan.from_dims(dims, reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload,
+                                  prefetch=p.prefetch,
+                                  cpu_ram_efficient_loading=bool(hf and hf["cpu_ram_efficient_loading"]),
+                                  sources=sources, layer_classes=next(iter(stated_classes), None),
+                                  size_sources=sizes_set)
 
 
 # ---------------------------------------------------------------------------------------------- the DDP notice

@@ -44,7 +44,7 @@ def mindspeed_setup(trainer: Trainer, args: TrainingArguments | None) -> MindSpe
     to the process. Contradictions fail here, before anything is patched or built."""
     resolved = resolve_config(args)
     resolved.log_overrides()  # once per trainer (the resolution itself is shared with the arguments' validation)
-    deepspeed.check_exclusive(args, resolved)  # DeepSpeed shards the model itself: not with our FSDP2 / CP / EP
+    deepspeed.check_exclusive(args, resolved)  # DeepSpeed shards the model itself: not with our FSDP2 / CP / EP / TP
     if getattr(args, "use_liger_kernel", False) and not seams.available("apply_liger_kernel"):
         import transformers
 

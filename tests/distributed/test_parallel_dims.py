@@ -43,6 +43,13 @@ def test_fill_in_and_properties():
         (dict(dp_shard=0, world_size=4), ["dp_shard", "dp_shard=0"]),
         (dict(world_size=0), ["world_size", "0"]),
         (dict(dp_replicate=2, dp_shard=2, cp=2, world_size=4), ["2 * 2 * 2 = 8", "world_size=4"]),
+        (dict(dp_shard=2, tp=2, world_size=2), ["dp_replicate * dp_shard * cp * tp = 1 * 2 * 1 * 2 = 4",
+                                                "world_size=2"]),
+        (dict(dp_replicate=3, tp=2, world_size=8), ["dp_replicate * cp * tp = 3 * 1 * 2 = 6", "world_size=8"]),
+        (dict(tp=0, world_size=4), ["tp must be", "tp=0", "[1, 2, 4]"]),
+        # not supported together yet: one line, before any mesh
+        (dict(tp=2, cp=2, world_size=4), ["tp=2 with cp=2", "not supported yet", "valid choices: tp=1 or cp=1"]),
+        (dict(tp=2, ep=2, world_size=4), ["tp=2 with ep=2", "not supported yet", "valid choices: tp=1 or ep=1"]),
     ],
 )
 def test_invalid_sizes_name_sizes_and_choices(kwargs, words):
@@ -50,6 +57,20 @@ def test_invalid_sizes_name_sizes_and_choices(kwargs, words):
         ParallelDims(**kwargs)
     for w in words:
         assert w in str(err.value), (w, str(err.value))
+
+
+def test_tp_axis_fills_and_names_the_world_mesh():
+    from mindspeed_hf.config import AXES
+    from mindspeed_hf.parallel.dims import MESH_DIM_NAMES
+
+    d = ParallelDims(tp=2, world_size=8)  # dp_shard takes what tp leaves
+    assert (d.dp_replicate, d.dp_shard, d.cp, d.tp) == (1, 4, 1, 2)
+    assert d.tp_enabled and d.dp_size == 4 and d.fsdp_size == 4 and d.same_batch_size == 2
+    d = ParallelDims(dp_replicate=2, tp=2, world_size=4)
+    assert d.dp_shard == 1 and not d.fsdp_enabled and d.dp_size == 2
+    # the world mesh's dims are the rows of AXES that are world axes, outermost first: tp innermost
+    assert MESH_DIM_NAMES == tuple(a.mesh for a in AXES if a.world) == ("dp_replicate", "dp_shard", "cp", "tp")
+    assert "\n" not in str(pytest.raises(ValueError, ParallelDims, tp=2, cp=2, world_size=4).value)
 
 
 def test_backend_map():

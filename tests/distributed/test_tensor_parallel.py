@@ -6,17 +6,27 @@ path (the torch_npu stand-in), the vocab-parallel cross-entropy (alone, and chun
 the one-line refusals; `four` (4 ranks): dp_shard=2 x tp=2 with FSDP2 over the dp sub-mesh.
 Each model case trains 3 AdamW steps and compares its losses and first-step gradients (gathered from the shards)
 with the unpatched model's in one process (HF's own loss), to 1e-5.
+
+tensor_trainer_worker.py: a plain transformers.Trainer script, unchanged, with `parallel: {tp: 2}` only from
+MINDSPEED_HF_CONFIG (2 ranks: tp 2; 4 ranks: dp_shard 2 x tp 2, FSDP2 over dp only), against the same script as
+plain HF in one process on the same global batches: logged losses, grad norms, final parameters, and the directory
+save_model writes (from_pretrained reloads it). Single-process: the plan, and the refusals as one line.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from child_runs import run_worker
+import torch
+from child_runs import child_env, run_or_fail, run_worker, torchrun
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "tensor_worker.py"
+TRAINER_WORKER = HERE / "tensor_trainer_worker.py"
 TOL = 1e-5
 CASES = ["llama", "qwen3", "qwen3_moe", "llama_no_sp", "padded_odd", "npu"]
 KERNELS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy")
@@ -101,3 +111,132 @@ def test_dp_shard2_x_tp2_with_fsdp2(four):
     # FSDP2's dim-0 shard over dp, taken from inside tp's Shard(0): each rank holds a quarter
     assert layer == ["(_StridedShard(dim=0, sf=2), Shard(dim=0))", 0.25], layer
     assert r["ran"]["attention"] >= 6 and r["ran"]["fused_linear_cross_entropy"] == 3
+
+
+# ---------------------------------------------------------------------------------------------- plain Trainer
+def _trainer_run(root: Path, name: str, *args: str, config: str | None = None, nproc: int = 2) -> dict:
+    out = root / f"{name}.json"
+    cmd = [str(TRAINER_WORKER), *args, "--out", str(out)]
+    if config is None:  # the single-process reference: plain HF, mindspeed_hf not imported
+        run_or_fail([sys.executable, *cmd], child_env(), name)
+    else:
+        (root / f"{name}.yaml").write_text(config)
+        run_or_fail(torchrun(*cmd, nproc=nproc), child_env(auto=True, MINDSPEED_HF_CONFIG=str(root / f"{name}.yaml")),
+                    name)
+    return {**json.loads(out.read_text()), "params": torch.load(str(out) + ".pt"), "saved": str(out) + ".saved"}
+
+
+@pytest.fixture(scope="module")
+def trainer_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tp_trainer")
+
+
+def _same_as(run: dict, ref: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    for key in ("losses", "grad_norms"):
+        assert len(run[key]) == len(ref[key]) == 3
+        assert max(abs(a - b) for a, b in zip(run[key], ref[key])) <= TOL, (key, run[key], ref[key])
+    want = ref["params"]
+    assert run["params"].keys() == want.keys()
+    assert max((run["params"][n] - want[n]).abs().max().item() for n in want) <= TOL
+    reloaded = AutoModelForCausalLM.from_pretrained(run["saved"]).state_dict()  # the consolidated save
+    assert reloaded.keys() == want.keys()
+    assert max((reloaded[n] - want[n]).abs().max().item() for n in want) <= TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_plain_trainer_with_tp_from_the_config_equals_one_process(trainer_root, family):
+    """tp=2 from MINDSPEED_HF_CONFIG alone, kernels on: 3 clipped SGD steps equal the plain-HF Trainer in one process
+    (losses, grad norms, parameters, the saved directory); each rank holds half of every sharded weight."""
+    ref = _trainer_run(trainer_root, f"reference_{family}", "reference", "--family", family)
+    run = _trainer_run(trainer_root, f"tp2_{family}", "tp", "--family", family, config="parallel: {tp: 2}\n")
+    assert (run["attention"], run["tp"], run["dp"]) == ("mindspeed", 2, 1)
+    for name, (placement, share) in run["shares"].items():
+        assert [placement, share] == list(_expected_placement(name)), name
+    assert len(run["shares"]) == len(run["params"])  # every parameter is a DTensor on the tp mesh
+    _same_as(run, ref)
+
+
+def test_plain_trainer_dp_shard2_x_tp2(trainer_root):
+    """4 ranks, `parallel: {tp: 2}`: dp_shard fills 2, FSDP2 over the dp ranks only (2-D DTensors), each dp rank's
+    batch half shared by its tp pair."""
+    ref = _trainer_run(trainer_root, "reference_llama4", "reference", "--family", "llama")
+    run = _trainer_run(trainer_root, "dp2_tp2_llama", "tp", "--family", "llama", "--dp", "2",
+                       config="parallel: {tp: 2}\n", nproc=4)
+    assert (run["tp"], run["dp"]) == (2, 2)
+    assert run["shares"]["model.layers.0.self_attn.q_proj.weight"] == ["(_StridedShard(dim=0, sf=2), Shard(dim=0))",
+                                                                      0.25]
+    _same_as(run, ref)
+
+
+# ---------------------------------------------------------------------------------------------- plan and refusals
+def _plan(world: int, env: dict | None = None, **parallel):
+    from mindspeed_hf.config import resolve
+    from mindspeed_hf.trainers.fsdp import resolve_plan
+
+    env = env or {}
+    return resolve_plan(None, resolve(yaml_source={"parallel": parallel}, env=env), env=env, world_size=world)
+
+
+def test_plan_carries_tp():
+    plan = _plan(2, tp=2)
+    assert (plan.tp, plan.dp_shard, plan.same_batch) == (2, 1, 2)
+    assert plan.size_sources == {"parallel.tp": "config dict"} and plan.dims.tp == 2
+    plan = _plan(8, tp=2, dp_replicate=2)
+    assert (plan.dp_replicate, plan.dp_shard, plan.tp) == (2, 2, 2)
+    # accelerate's own tp size (with its parallelism switch) is ours to build, as its cp
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"}
+    assert _plan(2, env=env).tp == 2
+    assert _plan(1) is None
+
+
+def _one_line(make) -> str:
+    with pytest.raises(ValueError) as caught:
+        make()
+    assert "\n" not in str(caught.value), str(caught.value)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("sizes,fragment", [
+    ({"tp": 2, "cp": 2}, "tp=2 with cp=2: tensor parallelism together with context parallelism is not supported yet"),
+    ({"tp": 2, "ep": 2}, "tp=2 with ep=2: tensor parallelism together with expert parallelism is not supported yet"),
+    ({"tp": 3}, "dp_replicate * cp * tp = 1 * 1 * 3 = 3 does not divide world_size=4"),
+])
+def test_unsupported_combinations_are_refused_in_one_line(sizes, fragment):
+    if "ep" in sizes:
+        from mindspeed_hf.config import check_ep_release
+
+        try:
+            check_ep_release(2)
+        except ValueError:
+            pytest.skip("transformers without fused experts refuses ep > 1 first")
+    line = _one_line(lambda: _plan(4, **sizes))
+    assert fragment in line and line.startswith("mindspeed_hf parallel sizes from parallel.")
+
+
+def test_tp_with_deepspeed_is_refused():
+    from mindspeed_hf.config import Layer, resolve
+    from mindspeed_hf.trainers import deepspeed as ds
+
+    resolved = resolve([Layer("test", {"parallel.tp": 2})])
+    line = _one_line(lambda: ds.check_exclusive(SimpleNamespace(deepspeed="ds.json", fsdp=None), resolved, env={}))
+    assert "DeepSpeed" in line and "tensor parallelism (parallel.tp=2 (test))" in line
+
+
+def test_the_tp_step_refuses_a_model_it_cannot_or_must_not_shard():
+    """Tied embeddings (check_tensor_parallel) and a model already tensor-parallel (transformers' tp_plan="auto"
+    sets _tp_size): refused in one line before any mesh is touched."""
+    from tiny_models import tiny_model
+
+    from mindspeed_hf.config import MindSpeedConfig
+    from mindspeed_hf.parallel.parallelize import ParallelizeOptions, apply_tp
+
+    dims = SimpleNamespace(tp=2, tp_enabled=True, get_mesh=lambda name: pytest.fail("no mesh before the checks"))
+    tied = tiny_model("llama", tie_word_embeddings=True)
+    line = _one_line(lambda: apply_tp(tied, dims, MindSpeedConfig(), ParallelizeOptions()))
+    assert line.startswith("parallel.tp=2: LlamaForCausalLM ties lm_head to the embeddings")
+    loaded = tiny_model("qwen3")
+    loaded._tp_size = 2  # what from_pretrained(tp_plan="auto") leaves
+    line = _one_line(lambda: apply_tp(loaded, dims, MindSpeedConfig(), ParallelizeOptions()))
+    assert "tensor-parallel already (transformers already sharded it" in line and "sharding it twice" in line
