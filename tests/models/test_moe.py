@@ -19,8 +19,8 @@ from mindspeed_hf.patches import experts as experts_patch
 
 MOE = sorted(name for name, family in FAMILIES.items() if family.experts and family.causal_lm)  # VLMs: test_vlm.py
 FUSED = compat.experts_registry() is not None
-needs_fused = pytest.mark.skipif(not FUSED, reason="the experts kernel needs transformers >= 5.10 (4.57: one module per "
-                                 "expert; 5.0-5.9 accept only their own experts implementations)")
+needs_fused = pytest.mark.skipif(not FUSED, reason="the experts kernel needs transformers >= 5.10 (4.57: one module "
+                                 "per expert; 5.0-5.9 accept only their own experts implementations)")
 
 
 def _experts_modules(model, model_type):
