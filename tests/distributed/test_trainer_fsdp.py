@@ -252,7 +252,7 @@ def test_plan_follows_the_precedence(tmp_path):
     ("product", r"parallel\.dp_shard=4 \(config dict\).*world_size=2"),
     ("accelerate_product", r"PARALLELISM_CONFIG_DP_SHARD_SIZE=2 \(accelerate launch environment\).*world_size=4"),
     ("explicit_disagree", r"reshard_after_forward=False but training arguments \(mindspeed_\*\) sets True"),
-    ("tp", r"tp size 2 \(tensor parallel\) is not supported"),
+    ("sp", r"sp size 2 \(sequence parallel\) is not supported"),  # tp: ours now (test_tensor_parallel.py)
     ("cp", r"parallel\.cp=3.*dp_replicate \* cp = 1 \* 3 = 3 does not divide world_size=4"),
 ])
 def test_contradictions_fail_naming_the_settings(case, match, tmp_path):
@@ -270,8 +270,8 @@ def test_contradictions_fail_naming_the_settings(case, match, tmp_path):
             _plan(MindSpeedTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", fsdp=True,
                                              fsdp_config={"fsdp_version": 2, "reshard_after_forward": False},
                                              mindspeed_reshard_after_forward=True))
-        elif case == "tp":
-            _plan(env={**env, "PARALLELISM_CONFIG_TP_SIZE": "2"})
+        elif case == "sp":
+            _plan(env={**env, "PARALLELISM_CONFIG_SP_SIZE": "2"})
         else:
             _plan(world=4, cp=3)
 
