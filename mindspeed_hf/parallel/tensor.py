@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -60,12 +61,14 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..versions import installed
 from .fsdp import unwrap_hf_model
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan", "vocab_parallel_cross_entropy",
            "vocab_parallel_linear_cross_entropy"]
 
 #: styles of base_model_tp_plan this step implements; anything else is refused before any work
+TP_MIN_TRANSFORMERS = "5.0"
 KNOWN_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts", "packed_colwise")
 _NORM = re.compile(r"^(layers\.\d+\.[^.]*norm|norm)$")
 
@@ -90,6 +93,12 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> dict[str, str]:
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not plan:
         raise ValueError(f"parallel.tp={tp}: {kind} declares no base_model_tp_plan; valid choices: parallel.tp=1")
+    found = installed("transformers")
+    if found is not None and found < Version(TP_MIN_TRANSFORMERS):
+        # 4.57's plans leave Qwen3's q/k norms out (their gradients would not be summed over tp) and give MoE one
+        # entry per expert module
+        raise ValueError(f"parallel.tp={tp}: tensor parallelism needs transformers >= {TP_MIN_TRANSFORMERS} (its "
+                         f"tp plans), transformers {found} is installed; valid choices: parallel.tp=1")
     unknown = sorted({s for s in plan.values() if s not in KNOWN_STYLES})
     if unknown:
         raise ValueError(f"parallel.tp={tp}: {kind}'s tp plan uses styles this step does not implement ({unknown});"

@@ -22,14 +22,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from child_runs import child_env, run_or_fail, run_worker, torchrun
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "tensor_worker.py"
 TRAINER_WORKER = HERE / "tensor_trainer_worker.py"
 TOL = 1e-5
+TP_RELEASE = int(transformers.__version__.split(".")[0]) >= 5  # 4.57: refused (tested last)
 CASES = ["llama", "qwen3", "qwen3_moe", "llama_no_sp", "padded_odd", "npu"]
 KERNELS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy")
+needs_tp = pytest.mark.skipif(not TP_RELEASE, reason="tensor parallelism needs transformers >= 5 (refused on 4.57)")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,7 @@ def _expected_placement(name: str) -> tuple[str, float]:
     return "(Replicate(),)", 1.0  # norms, router
 
 
+@needs_tp
 @pytest.mark.parametrize("case", CASES)
 def test_tp2_matches_one_process(two, case):
     r = two[case]
@@ -72,6 +76,7 @@ def test_tp2_matches_one_process(two, case):
     assert sum(share < 1 for _, share in r["placements"].values()) >= 14  # 7 projections x 2 layers at least
 
 
+@needs_tp
 @pytest.mark.parametrize("case", CASES)
 def test_kernels_ran_on_local_shards(two, case):
     r = two[case]
@@ -87,6 +92,7 @@ def test_kernels_ran_on_local_shards(two, case):
     assert seen["norm_rows"] == {"llama_no_sp": [12], "padded_odd": [7]}.get(case, [6])
 
 
+@needs_tp
 def test_vocab_parallel_cross_entropy(two):
     r = two["vocab_parallel"]
     assert r["loss_rel_diff"] <= 1e-6 and r["grad_diff"] <= TOL, r
@@ -95,6 +101,7 @@ def test_vocab_parallel_cross_entropy(two):
     assert linear["weight_grad_diff"] <= TOL, linear
 
 
+@needs_tp
 def test_errors_name_the_setting(two):
     e = two["errors"]
     assert e["heads"].startswith("parallel.tp=2 must divide the attention heads")
@@ -104,6 +111,7 @@ def test_errors_name_the_setting(two):
     assert all("\n" not in message for message in e.values() if isinstance(message, str))
 
 
+@needs_tp
 def test_dp_shard2_x_tp2_with_fsdp2(four):
     r = four["dp_tp"]
     _assert_parity(r)
@@ -145,6 +153,7 @@ def _same_as(run: dict, ref: dict) -> None:
     assert max((reloaded[n] - want[n]).abs().max().item() for n in want) <= TOL
 
 
+@needs_tp
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_plain_trainer_with_tp_from_the_config_equals_one_process(trainer_root, family):
     """tp=2 from MINDSPEED_HF_CONFIG alone, kernels on: 3 clipped SGD steps equal the plain-HF Trainer in one process
@@ -158,6 +167,7 @@ def test_plain_trainer_with_tp_from_the_config_equals_one_process(trainer_root, 
     _same_as(run, ref)
 
 
+@needs_tp
 def test_plain_trainer_dp_shard2_x_tp2(trainer_root):
     """4 ranks, `parallel: {tp: 2}`: dp_shard fills 2, FSDP2 over the dp ranks only (2-D DTensors), each dp rank's
     batch half shared by its tp pair."""
@@ -179,6 +189,7 @@ def _plan(world: int, env: dict | None = None, **parallel):
     return resolve_plan(None, resolve(yaml_source={"parallel": parallel}, env=env), env=env, world_size=world)
 
 
+@needs_tp
 def test_plan_carries_tp():
     plan = _plan(2, tp=2)
     assert (plan.tp, plan.dp_shard, plan.same_batch) == (2, 1, 2)
@@ -203,6 +214,7 @@ def _one_line(make) -> str:
     ({"tp": 2, "ep": 2}, "tp=2 with ep=2: tensor parallelism together with expert parallelism is not supported yet"),
     ({"tp": 3}, "dp_replicate * cp * tp = 1 * 1 * 3 = 3 does not divide world_size=4"),
 ])
+@needs_tp
 def test_unsupported_combinations_are_refused_in_one_line(sizes, fragment):
     if "ep" in sizes:
         from mindspeed_hf.config import check_ep_release
@@ -215,6 +227,7 @@ def test_unsupported_combinations_are_refused_in_one_line(sizes, fragment):
     assert fragment in line and line.startswith("mindspeed_hf parallel sizes from parallel.")
 
 
+@needs_tp
 def test_tp_with_deepspeed_is_refused():
     from mindspeed_hf.config import Layer, resolve
     from mindspeed_hf.trainers import deepspeed as ds
@@ -224,6 +237,7 @@ def test_tp_with_deepspeed_is_refused():
     assert "DeepSpeed" in line and "tensor parallelism (parallel.tp=2 (test))" in line
 
 
+@needs_tp
 def test_the_tp_step_refuses_a_model_it_cannot_or_must_not_shard():
     """Tied embeddings (check_tensor_parallel) and a model already tensor-parallel (transformers' tp_plan="auto"
     sets _tp_size): refused in one line before any mesh is touched."""
@@ -240,3 +254,16 @@ def test_the_tp_step_refuses_a_model_it_cannot_or_must_not_shard():
     loaded._tp_size = 2  # what from_pretrained(tp_plan="auto") leaves
     line = _one_line(lambda: apply_tp(loaded, dims, MindSpeedConfig(), ParallelizeOptions()))
     assert "tensor-parallel already (transformers already sharded it" in line and "sharding it twice" in line
+
+
+
+@pytest.mark.skipif(TP_RELEASE, reason="refused on transformers < 5 only")
+def test_tp_on_transformers_4_is_refused_in_one_line():
+    from tiny_models import tiny_model
+
+    from mindspeed_hf.parallel.tensor import check_tensor_parallel
+
+    with pytest.raises(ValueError, match=r"^parallel.tp=2: tensor parallelism needs transformers >= 5.0 \(its tp "
+                                         r"plans\), transformers 4\.57\.\d+ is installed; valid choices: "
+                                         r"parallel.tp=1$"):
+        check_tensor_parallel(tiny_model("qwen3", tie_word_embeddings=False), 2)
