@@ -156,6 +156,10 @@ SEAMS: tuple[Seam, ...] = (
     Seam("_is_hf_initialized", "source",
          "the flag that makes _init_weights skip a tensor: dropped so the buffers are recomputed (parallel/loading.py)",
          owner="transformers.modeling_utils", feature="sharded loading (parallel/loading.py)"),
+    Seam("_tp_size", "source",
+         "set on a model transformers sharded itself (tp_plan / DistributedConfig tp_size): tensor parallelism refuses "
+         "to shard it twice (parallel/parallelize.py)", owner="transformers.modeling_utils",
+         feature="tensor parallelism (parallel/parallelize.py)"),
     Seam("_is_expert_parallel", "source",
          "marks the experts transformers split itself (distributed_config ep_size), adopted by parallelize "
          "(parallel/expert.py)", since="5.18", owner="transformers.integrations.moe",

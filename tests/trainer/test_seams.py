@@ -224,7 +224,7 @@ def _helper(model, other):
     other._cache.clear()
     model.__dict__.pop("_mindspeed_config", None)
     setattr(model, "_mindspeed_mark", True)
-    return getattr(model, "_tp_size", 0), model._helper, torch._foreach_add, vars(model).get("_hf_hook")
+    return getattr(model, "_pp_plan", 0), model._helper, torch._foreach_add, vars(model).get("_hf_hook")
 """,
 }
 
@@ -232,7 +232,7 @@ def _helper(model, other):
 def test_the_scan_finds_a_planted_private_name():
     """The names of torch / transformers planted above are found, ours are not, and the listing check fails."""
     used = private_names_used(PLANTED)
-    assert set(used) == {"_explicit_order_placements", "_state_dict_hooks", "_tp_size", "_helper", "_foreach_add",
+    assert set(used) == {"_explicit_order_placements", "_state_dict_hooks", "_pp_plan", "_helper", "_foreach_add",
                          "_hf_hook"}
     assert used["_state_dict_hooks"] == ["mindspeed_hf/planted.py:12"]
     assert set(_unlisted(used)) == set(used)  # none of them is a seam: the package test would fail on them
