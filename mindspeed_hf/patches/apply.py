@@ -78,11 +78,13 @@ def _switch_method(owner: Any, name: str, op: str, fast: Any) -> None:
         _patches.set(owner, name, scope.switch(op, fast, getattr(owner, name)))
 
 
-def _patch_family(family: ModelFamily) -> None:
+def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
     """Patch every op of the family; each patched site asks the current config whether its op is on. A
-    third-party family is patched when its module is imported (now, or whenever the user imports it)."""
+    third-party family is patched when its module is imported (now, or whenever the user imports it); patched at
+    its import, its models keep the attention they are built with until apply_to_model (qwen-tts passes its
+    config's attn_implementation on as a request, which the attention default would keep as explicit)."""
     if family.modeling and _modeling(family) is None:
-        third_party.when_imported(family.modeling, lambda _: _patch_family(family))
+        third_party.when_imported(family.modeling, lambda _: _patch_family(family, default_attention=False))
         return
     module = _modeling(family)
     if module is None:
@@ -100,7 +102,7 @@ def _patch_family(family: ModelFamily) -> None:
     for _, function in family.mrope_attention:
         _switch_method(module, function, "rope", third_party.mrope_function(getattr(module, function)))
     pretrained = getattr(module, family.pretrained)
-    if not _patches.is_patched(pretrained, "get_correct_attn_implementation"):
+    if default_attention and not _patches.is_patched(pretrained, "get_correct_attn_implementation"):
         _patches.set(pretrained, "get_correct_attn_implementation",
                      _attention_default(pretrained.get_correct_attn_implementation))
     if family.experts and experts.available() and not _patches.is_patched(pretrained,
@@ -228,6 +230,8 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
     scope.attach(hf_model, config)
     _models.add(hf_model)
     current = compat.attn_implementation(hf_model.config)
+    if current == ATTENTION_NAME and _sub_models_on(hf_model, "sdpa"):
+        current = "sdpa"  # a nested sub-model left on sdpa (4.57's Qwen3-TTS code predictor built while enabled)
     if getattr(hf_model, "_mindspeed_explicit_attention", None) is None:
         if config.kernels.attention and current == "sdpa" and compat.sdpa_replaceable(hf_model):
             _set_attention(hf_model, ATTENTION_NAME)
@@ -239,6 +243,14 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
     result = report(model)
     _announce(hf_model, result)
     return result
+
+
+def _sub_models_on(model: nn.Module, name: str) -> bool:
+    """Whether a PreTrainedModel nested inside `model` runs attention `name`."""
+    from transformers import PreTrainedModel
+
+    return any(sub is not model and isinstance(sub, PreTrainedModel) and compat.attn_implementation(sub.config) == name
+               for sub in model.modules())
 
 
 def _set_attention(model: nn.Module, name: str) -> None:

@@ -58,7 +58,8 @@ def test_fsdp_loss_parity_and_placements(main):
 
 def test_apply_fsdp_validation(main):
     e = main["errors"]
-    assert "ndim=3" in e["mesh_3d"] and "prefetch" in e["prefetch"] and "valid choices" in e["dtype"]
+    assert "mesh must be 1-D (FSDP) or 2-D (HSDP)" in e["mesh_3d"]  # the world mesh: dp_replicate, dp_shard, cp, tp
+    assert "prefetch" in e["prefetch"] and "valid choices" in e["dtype"]
     assert e["untouched"] and e["offload_warning"] and "already sharded" in e["twice"]
 
 

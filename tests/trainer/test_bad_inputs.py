@@ -71,7 +71,7 @@ CASES: dict[str, tuple[dict, str | None, list[str], dict[str, str], list[str]]] 
     "features-value": ({"features.rope": "maybe"}, None, [], {}, ["rope", "maybe"]),
     "features-unknown": ({"features.turbo": True}, None, [], {}, ["features.turbo"]),
     "features-backend": ({"features.backend": "tpu"}, None, [], {}, ["backend", "tpu"]),
-    "parallel-unknown": ({"parallel.tp": 2}, None, [], {}, ["parallel.tp"]),
+    "parallel-unknown": ({"parallel.pp": 2}, None, [], {}, ["parallel.pp"]),
     "parallel-size-vs-world": ({"parallel.dp_shard": 3}, None, [], {}, ["dp_shard", "3"]),
     "parallel-size-negative": ({"parallel.dp_shard": -2}, None, [], {}, ["dp_shard"]),
     "runtime-threads": ({"runtime.cpu_threads": 0}, None, [], {}, ["runtime.cpu_threads"]),

@@ -51,7 +51,7 @@ def test_default_run_config_is_valid():
     (lambda d: d["model"].update(hidden=3), "unknown key model.hidden; valid keys: model.config, model.name_or_path"),
     (lambda d: d["data"].update(pth="x"), "unknown key data.pth; valid keys: data.train, data.eval"),
     (lambda d: d["features"].update(rms_nrom=True), "unknown key features.rms_nrom (did you mean features.rms_norm?)"),
-    (lambda d: d["parallel"].update(tp=2), "unknown key parallel.tp; valid keys: parallel.dp_replicate"),
+    (lambda d: d["parallel"].update(pp=2), "unknown key parallel.pp; valid keys: parallel.dp_replicate"),
     (lambda d: d["training"].update(learning_rat=1.0), "training.learning_rat (did you mean training.learning_rate?)"),
     (lambda d: d["training"].update(mindspeed_rope=False), "accelerator settings go in the `features`"),
     (lambda d: d["evaluation"].update(n=1), "unknown key evaluation.n; valid keys: evaluation.enabled"),
