@@ -165,7 +165,7 @@ class BenchResult:
     report: str
 
 
-def check_options(repeats: int, backend: str | None, plot: str | None) -> None:
+def check_options(repeats: int, backend: str | None) -> None:
     """Bad bench options fail here, before any run: one line naming the option and the valid choices."""
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be >= 1")
@@ -173,17 +173,13 @@ def check_options(repeats: int, backend: str | None, plot: str | None) -> None:
         from ..ops.registry import validate_backend_name
 
         validate_backend_name(backend.lower(), "--backend")
-    if plot is not None:
-        from .bench_plot import require_matplotlib
-
-        require_matplotlib()
 
 
 def bench(config: str | None, steps: int = 20, overrides: list[str] | None = None, workdir: str | None = None,
           repeats: int = 3, backend: str | None = None, profile: str | None = None) -> BenchResult:
     """Run `repeats` interleaved pairs (A B, B A, ...), then one counted step of each side (and, with `profile`,
     a trace of a few accelerated steps into that directory). `backend` forces the accelerated side's kernels."""
-    check_options(repeats, backend, None)
+    check_options(repeats, backend)
     common = list(overrides or [])
     sides = {"0": common, "1": [*common, *(["--mindspeed_backend", backend.lower()] if backend else [])]}
     bases, fasts = [], []

@@ -248,7 +248,11 @@ def cmd_bench(argv: list[str]) -> int:
 
     try:  # fail here, once, on a bad config or option rather than in every subprocess
         load_run_config(config)
-        check_options(own.repeats, own.backend, own.plot)
+        check_options(own.repeats, own.backend)
+        if own.plot:
+            from .bench_plot import require_matplotlib
+
+            require_matplotlib()
     except (ValueError, FileNotFoundError, ImportError) as err:
         _error("bench", err)
         return 2
