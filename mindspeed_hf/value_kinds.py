@@ -216,3 +216,19 @@ def unknown_names(what: str, unknown: Iterable[str], valid: Iterable[str]) -> Va
     hint = f"; valid {what}s: {', '.join(valid)}" if len(valid) <= 12 else ""
     plural = "s" if len(parts) > 1 else ""
     return ValueError(f"unknown {what}{plural} {', '.join(parts)}{hint}")
+
+
+
+def known_keys(where: str, values: Any, valid: Iterable[str], what: str = "key") -> dict[str, Any]:
+    """`values`, the mapping of section `where` ("" at the top), as a dict with only `valid` keys; else a one-line
+    ValueError: the section is not a mapping, or each unknown key with the nearest valid one (`unknown {what} ...`)."""
+    from collections.abc import Mapping
+
+    valid = list(valid)
+    if not isinstance(values, Mapping):
+        raise ValueError(f"section {where!r} must be a mapping of {', '.join(valid)}")
+    unknown = set(values) - set(valid)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise unknown_names(what, (prefix + k for k in unknown), (prefix + k for k in valid))
+    return dict(values)

@@ -19,7 +19,7 @@ from mindspeed_hf.ops import registry
     ({"parallel": {"dp_shard": 0}}, "parallel.dp_shard=0 must be >= 1, or -1"),
     ({"parallel": {"cp": 1.5}}, "parallel.cp=1.5 must be an integer"),
     ({"backend": "gpu"}, "backend='gpu' is not valid; choose one of auto, torch, npu, cuda"),
-    ({"memory": [1]}, "config section 'memory' must be a mapping of recompute"),
+    ({"memory": [1]}, "section 'memory' must be a mapping of recompute"),
 ])
 def test_bad_config_names_setting_and_choices(data, message):
     with pytest.raises(ValueError) as err:

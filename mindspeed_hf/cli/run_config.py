@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import KernelConfig, MemoryConfig, MindSpeedConfig, ParallelConfig, config_from_dict, read_config_file
-from ..value_kinds import parse_flag, unknown_names
+from ..value_kinds import known_keys, parse_flag, unknown_names
 from .default_run import DEFAULT_RUN_CONFIG, DEFAULT_RUN_DIR
 
 BUILTIN = "builtin:"
@@ -88,15 +88,7 @@ FEATURE_KEYS = ("backend", *(f.name for f in dataclasses.fields(KernelConfig)),
 
 
 def _check_keys(where: str, values: Any, valid: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise ValueError(f"{where} must be a mapping with keys: {', '.join(valid)}")
-    unknown = set(values) - set(valid)
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise unknown_names("key", (prefix + k for k in unknown), (prefix + k for k in valid))
-    return dict(values)
+    return {} if values is None else known_keys(where, values, valid)
 
 
 def _spec(where: str, cls: type, values: Any) -> Any:

@@ -22,9 +22,9 @@ from ..value_kinds import (
     choice_or_bool,
     flag,
     integer,
+    known_keys,
     layer_selection,
     non_negative_int,
-    unknown_names,
 )
 
 # Kernel backends (ops.registry dispatches on them). Declared here, with the settings, so that reading a config
@@ -254,13 +254,7 @@ assert len({s.argument for s in SETTINGS.values()}) == len(SETTINGS), "setting k
 
 # ---------------------------------------------------------------------------------------------- nested <-> flat
 def _check_keys(where: str, values: Any, valid: list[str]) -> dict[str, Any]:
-    if not isinstance(values, Mapping):
-        raise ValueError(f"config section {where!r} must be a mapping of {', '.join(valid)}")
-    unknown = set(values) - set(valid)
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise unknown_names("config key", (prefix + k for k in unknown), (prefix + k for k in valid))
-    return dict(values)
+    return known_keys(where, values, valid, "config key")
 
 
 def flatten(data: Mapping[str, Any] | None) -> dict[str, Any]:
