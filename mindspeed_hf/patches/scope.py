@@ -151,21 +151,26 @@ def detach(hf_model: nn.Module) -> None:
     hf_model.__dict__.pop("_mindspeed_config", None)
 
 
-def switch(op: str, fast: Callable, original: Callable) -> Callable:
+def switch(op: str, fast: Callable, original: Callable, model_forward: bool = False) -> Callable:
     """A function that runs `fast` when the current config has `op` on, else `original` (HF's own).
 
     It presents the original's name, signature and annotations (functools.wraps), so code that inspects a patched
-    forward (Trainer's dataset columns and loss kwargs, transformers' output-field checks) sees HF's."""
+    forward (Trainer's dataset columns and loss kwargs, transformers' output-field checks) sees HF's.
+    `model_forward`: it replaces a top-level model's forward (the causal-LM heads), which may be called directly,
+    past the model's hooks (PEFT 0.17-0.18's tuner calls `model.forward(...)`): the model's config and counter then
+    apply all the same. The kernels' own sites (norms, MLPs, rope) do not pay for that check."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return (fast if kernel_on(op) else original)(*args, **kwargs)
 
     @functools.wraps(original)
     def dispatch(*args: Any, **kwargs: Any) -> Any:
-        owner = vars(args[0]) if args and isinstance(args[0], nn.Module) else {}
-        if "_mindspeed_ran" in owner and not owner.get("_mindspeed_tokens"):
-            # the model's forward called directly, past its hooks (PEFT's tuner calls `model.forward(...)`): its
-            # config and counter apply all the same
-            with _inside(args[0], owner.get("_mindspeed_config")):
-                return (fast if kernel_on(op) else original)(*args, **kwargs)
-        return (fast if kernel_on(op) else original)(*args, **kwargs)
+        if model_forward:
+            owner = vars(args[0])
+            if "_mindspeed_ran" in owner and not owner.get("_mindspeed_tokens"):
+                with _inside(args[0], owner.get("_mindspeed_config")):
+                    return run(*args, **kwargs)
+        return run(*args, **kwargs)
 
     dispatch._mindspeed_op = op
     return dispatch
