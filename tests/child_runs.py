@@ -45,3 +45,21 @@ def run_worker(worker: Path, out: Path, *args: str, nproc: int = 2, env: dict[st
     launch = torchrun(*cmd, nproc=nproc) if nproc else [sys.executable, *cmd]
     run_or_fail(launch, child_env() if env is None else env, f"{worker.name} {' '.join(args)} (nproc={nproc})")
     return json.loads(out.read_text())
+
+
+def run_trainer_worker(worker: Path, root: Path, name: str, *args: str, config: str | None = None,
+                       nproc: int = 2) -> dict:
+    """A plain-Trainer worker: with `config` None the single-process plain-HF reference (mindspeed_hf not imported),
+    else under torchrun with `nproc` ranks and the sizes only from MINDSPEED_HF_CONFIG (`config`, YAML text).
+    Returns the JSON it wrote, with "params" (the .pt it saved beside it) and "saved" (its save_model directory)."""
+    import torch
+
+    out = root / f"{name}.json"
+    cmd = [str(worker), *args, "--out", str(out)]
+    if config is None:
+        run_or_fail([sys.executable, *cmd], child_env(), name)
+    else:
+        (root / f"{name}.yaml").write_text(config)
+        run_or_fail(torchrun(*cmd, nproc=nproc), child_env(auto=True, MINDSPEED_HF_CONFIG=str(root / f"{name}.yaml")),
+                    name)
+    return {**json.loads(out.read_text()), "params": torch.load(str(out) + ".pt"), "saved": str(out) + ".saved"}

@@ -17,12 +17,11 @@ left padding as its own segment), and the refusals (heads, softcapping, dropout,
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from child_runs import child_env, run_or_fail, torchrun
+from child_runs import child_env, run_or_fail, run_trainer_worker, torchrun
 from tiny_models import tiny_model
 
 from mindspeed_hf.config import EP_MIN_TRANSFORMERS, ParallelConfig
@@ -180,15 +179,7 @@ def test_accelerate_cp_size_maps_to_parallel_cp(tmp_path):
 
 
 def _trainer_run(root: Path, name: str, *args: str, config: str | None = None, nproc: int = 4) -> dict:
-    out = root / f"{name}.json"
-    cmd = [str(TRAINER_WORKER), *args, "--out", str(out)]
-    if config is None:  # the single-process reference: plain HF, mindspeed_hf not imported
-        run_or_fail([sys.executable, *cmd], child_env(), name)
-    else:
-        (root / f"{name}.yaml").write_text(config)
-        run_or_fail(torchrun(*cmd, nproc=nproc),
-                    child_env(auto=True, MINDSPEED_HF_CONFIG=str(root / f"{name}.yaml")), name)
-    return {**json.loads(out.read_text()), "params": torch.load(str(out) + ".pt")}
+    return run_trainer_worker(TRAINER_WORKER, root, name, *args, config=config, nproc=nproc)
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,12 @@ save_model writes (from_pretrained reloads it). Single-process: the plan, and th
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 import transformers
-from child_runs import child_env, run_or_fail, run_worker, torchrun
+from child_runs import run_trainer_worker, run_worker
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "tensor_worker.py"
@@ -123,15 +120,7 @@ def test_dp_shard2_x_tp2_with_fsdp2(four):
 
 # ---------------------------------------------------------------------------------------------- plain Trainer
 def _trainer_run(root: Path, name: str, *args: str, config: str | None = None, nproc: int = 2) -> dict:
-    out = root / f"{name}.json"
-    cmd = [str(TRAINER_WORKER), *args, "--out", str(out)]
-    if config is None:  # the single-process reference: plain HF, mindspeed_hf not imported
-        run_or_fail([sys.executable, *cmd], child_env(), name)
-    else:
-        (root / f"{name}.yaml").write_text(config)
-        run_or_fail(torchrun(*cmd, nproc=nproc), child_env(auto=True, MINDSPEED_HF_CONFIG=str(root / f"{name}.yaml")),
-                    name)
-    return {**json.loads(out.read_text()), "params": torch.load(str(out) + ".pt"), "saved": str(out) + ".saved"}
+    return run_trainer_worker(TRAINER_WORKER, root, name, *args, config=config, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
