@@ -41,6 +41,7 @@ def worker(variant: str, chunk: int, threads: int) -> dict:
 
     import mindspeed_hf  # MINDSPEED_HF_AUTO=0: nothing is patched on import
     from mindspeed_hf.config import config_from_dict
+    from mindspeed_hf.trainers import run_of
 
     if threads:
         torch.set_num_threads(threads)
@@ -68,7 +69,7 @@ def worker(variant: str, chunk: int, threads: int) -> dict:
                                  disable_tqdm=True, use_cpu=True, seed=0, dataloader_pin_memory=False)
         trainer = Measured(model=model, args=args, train_dataset=rows)
         if variant == "fused":
-            assert trainer._mindspeed_report["skip_logits"] == "auto"
+            assert run_of(trainer).report["skip_logits"] == "auto"
         rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         trainer.train()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux

@@ -138,8 +138,10 @@ def exact_match(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, str
 
 def context_parallel_size(trainer: Any) -> int:
     """The trainer's context-parallel size (1 when its model is not split over a cp group)."""
-    plan = getattr(trainer, "_mindspeed_fsdp_plan", None)
-    return plan.cp if plan is not None else 1
+    from ..trainers.run import run_of
+
+    run = run_of(trainer)
+    return run.plan.cp if run is not None and run.plan is not None else 1
 
 
 def _quality(trainer: Any, tokenizer: Any, rows: list[dict[str, str]], run: RunConfig) -> dict[str, Any]:

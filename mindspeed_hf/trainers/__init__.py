@@ -2,13 +2,16 @@
 transformers.Trainer (and TRL's SFTTrainer) behave the same after `import mindspeed_hf`."""
 
 from .arguments import MindSpeedTrainingArguments
+from .run import Run, run_of
 from .trainer import MindSpeedTrainer
 from .wiring import install_trainer_wiring, is_installed, uninstall_trainer_wiring
 
 __all__ = [
     "MindSpeedTrainer",
     "MindSpeedTrainingArguments",
+    "Run",
     "install_trainer_wiring",
     "is_installed",
+    "run_of",
     "uninstall_trainer_wiring",
 ]

@@ -18,6 +18,7 @@ from transformers import TrainingArguments
 
 from ..config import MindSpeedConfig, ResolvedConfig, Setting, resolve_for, settings
 from ..config.sources import ARGUMENTS_SOURCE, Layer, arguments_layer, hf_fsdp_layer
+from . import deepspeed
 
 __all__ = ["ARGUMENTS_SOURCE", "MindSpeedTrainingArguments", "hf_fsdp_layer", "resolve_for"]
 
@@ -26,9 +27,8 @@ class _MindSpeedFields:
     """Methods of MindSpeedTrainingArguments (its fields are generated below)."""
 
     def __post_init__(self) -> None:
-        from . import deepspeed, wiring
-
-        own_deepspeed_steps = not wiring.is_installed()  # else the wrapped TrainingArguments.__post_init__ runs them
+        # the wiring's TrainingArguments.__post_init__ (wiring.py) runs the DeepSpeed steps when it is installed
+        own_deepspeed_steps = not getattr(TrainingArguments.__post_init__, "_mindspeed_wiring", False)
         if own_deepspeed_steps:
             deepspeed.before_arguments(self)
         super().__post_init__()  # type: ignore[misc]

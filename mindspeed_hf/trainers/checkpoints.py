@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..parallel.checkpoint import COMPLETE_MARKER, _barrier, _rank, is_complete_checkpoint, mark_complete, unmark
+from .run import run_of
 
 __all__ = ["CheckpointError", "begin_checkpoint_dir", "checkpoint_step", "newest_resumable", "resolve_resume",
            "save_checkpoint", "tied_keys_quiet", "unreadable_file"]
@@ -245,9 +246,10 @@ def resolve_resume(trainer: Any, resume: Any, sharded: bool = False) -> Any:
 def begin_checkpoint_dir(trainer: Any, output_dir: str) -> bool:
     """Called from save_model: inside Trainer's checkpoint save, record `output_dir` and take its marker away (the
     directory is being written: staging) on every rank's behalf. False for any other save_model call."""
-    if getattr(trainer, "_mindspeed_checkpoint_dir", False) is not None:
+    run = run_of(trainer)
+    if run is None or run.checkpoint_dir is not None:
         return False
-    trainer._mindspeed_checkpoint_dir = output_dir
+    run.checkpoint_dir = output_dir
     if _rank() == 0:
         os.makedirs(output_dir, exist_ok=True)
         unmark(output_dir)
@@ -297,13 +299,14 @@ def save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any)
     """Trainer's own `_save_checkpoint` (bound `original`), made atomic: staging while it writes, the COMPLETE
     marker once every rank is done, then Trainer's rotation. Collective under torch.distributed."""
     held: list[Callable[[], None]] = []
-    trainer._mindspeed_checkpoint_dir = None  # "inside a checkpoint save": save_model records the directory
+    run = run_of(trainer)
+    run.checkpoint_dir = None  # "inside a checkpoint save": save_model records the directory
     try:
         with _rotation_held(trainer, held):
             original(*args, **kwargs)
-        written = trainer._mindspeed_checkpoint_dir
+        written = run.checkpoint_dir
     finally:
-        trainer._mindspeed_checkpoint_dir = False
+        run.checkpoint_dir = False
     _barrier()
     if _rank() == 0 and written:
         mark_complete(written, global_step=trainer.state.global_step)

@@ -20,15 +20,16 @@ from typing import Any
 
 from ..config.axes import AXES
 from ..parallel.context import context_of, split_cp_batch
+from .run import run_of
 
 __all__ = ["data_over_dp", "split_inputs"]
 
 
 def split_inputs(model: Any, inputs: dict[str, Any], num_items_in_batch: Any) -> tuple[dict[str, Any], Any]:
-    """(inputs, num_items_in_batch) for Trainer.compute_loss: this rank's share under context parallelism (once:
-    already split inputs pass), else as given."""
+    """(inputs, num_items_in_batch) for Trainer.compute_loss: this rank's share under context parallelism, else as
+    given. Called once per compute_loss (the wiring of Trainer.compute_loss)."""
     ctx = context_of(model)
-    if ctx is None or "segment_ids" in inputs:
+    if ctx is None:
         return inputs, num_items_in_batch
     local = split_cp_batch(inputs, ctx, num_items_in_batch=None if num_items_in_batch is None
                            else float(num_items_in_batch))
@@ -42,7 +43,8 @@ def data_over_dp(trainer: Any) -> None:
     AXES marked same_batch: every rank of a cp or tp group gets the same batch). Called once the accelerator exists;
     the mesh is looked up when a loader is prepared, after the model was sharded. accelerate's `prepare_data_loader`
     reads our world mesh by its axis names (dp_replicate, dp_shard, cp, tp; tp innermost, then cp)."""
-    plan = getattr(trainer, "_mindspeed_fsdp_plan", None)
+    run = run_of(trainer)
+    plan = run.plan if run is not None else None
     if plan is None or plan.same_batch == 1:
         return
     accelerator = trainer.accelerator
@@ -57,9 +59,8 @@ def data_over_dp(trainer: Any) -> None:
                            "1.10 - 1.15")
 
     def prepare_device_mesh():
-        state = getattr(trainer, "_mindspeed_fsdp", None)
-        if state is not None and state.dims.same_batch_size > 1:
-            return state.dims.world_mesh
+        if run.dims is not None and run.dims.same_batch_size > 1:
+            return run.dims.world_mesh
         return original()
 
     accelerator._prepare_device_mesh = prepare_device_mesh

@@ -16,7 +16,7 @@ calls the same functions):
   world size (on CPU accelerate does not initialise it, and zero.Init then reads a world size of 1 and fails its
   batch-size check).
 
-`check_exclusive` runs again in the trainer's own setup (mindspeed_setup) for settings given later (enable(config)).
+`check_exclusive` runs again when the trainer starts (lifecycle.start) for settings given later (enable(config)).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..config import AXES, Axis, ResolvedConfig
 from ..device import detect_device_type
 from ..value_kinds import parse_flag
+from .run import resolve_config
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -92,8 +93,6 @@ def check_exclusive(args: Any, resolved: ResolvedConfig | None = None, env: Mapp
         return
     fsdp = _fsdp(args, env)  # found first: the config below reads fsdp_config, which may not be parsed yet
     if resolved is None and fsdp is None:
-        from .trainer import resolve_config
-
         resolved = resolve_config(args)
     ours = [fsdp] if resolved is None else _ours(args, resolved, env)
     if ours:

@@ -2,7 +2,8 @@
 
 Plain Trainer hands FSDP to accelerate, which on CPU silently falls back to DDP and refuses DTensor parameters
 on any multi-device run. So when FSDP is asked for (fsdp_plan.py reads every source of the request, before any
-work), the trainer's prepare hook builds ParallelDims + mesh (`build_dims`) and `parallel.parallelize` shards the
+work), the trainer's prepare hook builds ParallelDims + mesh (`build_dims`, kept in the trainer's Run) and
+`parallel.parallelize` shards the
 model. Trainer's own code then runs with our pieces around it, through the seams listed in seams.py:
 
 - the accelerator is created without accelerate's FSDP plugin (and on CPU told the real world size), and keeps
@@ -12,7 +13,7 @@ model. Trainer's own code then runs with our pieces around it, through the seams
   `optimizer_0/`, accelerate's names), the COMPLETE marker once every rank is done, rotation after it; resume and
   best-model loading read the shards back.
 
-MindSpeedTrainer and the wiring of plain Trainer both call `dispatch`, so there is one implementation.
+The wiring of Trainer's methods (every Trainer, MindSpeedTrainer included) calls `dispatch`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,22 +34,14 @@ from .. import parallel
 from ..device import detect_device_type
 from . import checkpoints, context, seams
 from .fsdp_plan import FsdpPlan, resolve_plan, world_size_from
+from .run import Run, run_of
 
-__all__ = ["FsdpPlan", "FsdpState", "build_dims", "dispatch", "resolve_plan"]
+__all__ = ["FsdpPlan", "build_dims", "dispatch", "resolve_plan"]
 
 logger = logging.getLogger("mindspeed_hf")
 # Environment switches that make accelerate build its own FSDP plugin / mesh (masked while our accelerator is made).
 _ACCELERATE_SWITCHES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG")
 MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
-
-
-@dataclass
-class FsdpState:
-    """What was built for one trainer's model."""
-
-    plan: FsdpPlan
-    dims: parallel.ParallelDims
-    device_type: str
 
 
 # ---------------------------------------------------------------------------------------------- sharding
@@ -59,37 +51,34 @@ def low_precision(args: Any) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed).lower())
 
 
-def build_dims(trainer: Any) -> parallel.ParallelDims:
-    """Init the process group and build the named mesh for the trainer's plan (collective)."""
-    plan: FsdpPlan = trainer._mindspeed_fsdp_plan
-    device_type = detect_device_type()
-    parallel.init_distributed(device_type)
-    dims = plan.new_dims(dist.get_world_size())
-    dims.build_mesh(device_type)
-    trainer._mindspeed_fsdp = FsdpState(plan, dims, device_type)
-    return dims
+def build_dims(run: Run) -> parallel.ParallelDims:
+    """Init the process group and build the named mesh for the run's plan (collective); kept in the run."""
+    run.device_type = detect_device_type()
+    parallel.init_distributed(run.device_type)
+    run.dims = run.plan.new_dims(dist.get_world_size())
+    run.dims.build_mesh(run.device_type)
+    return run.dims
 
 
-def log_sharded(trainer: Any) -> None:
+def log_sharded(run: Run) -> None:
     """After parallelize: say what was built."""
-    state: FsdpState = trainer._mindspeed_fsdp
-    p = trainer._mindspeed_config.parallel
-    dims = state.dims
+    p = run.config.parallel
+    dims = run.dims
     ep = f" ep={dims.ep} (efsdp={dims.efsdp_size})" if dims.ep_enabled else ""
     ep += f" tp={dims.tp}" if dims.tp_enabled else ""
     what = "FSDP2" if dims.dp_replicate * dims.fsdp_size > 1 else "tensor parallelism"
     if dims.tp_enabled and what == "FSDP2":
         what += " x tensor parallelism"
     logger.info("mindspeed_hf: %s on %s (requested by %s): dp_replicate=%d dp_shard=%d%s, reshard_after_forward=%s,"
-                " cpu_offload=%s, param dtype %s", what, state.device_type, "; ".join(state.plan.sources),
+                " cpu_offload=%s, param dtype %s", what, run.device_type, "; ".join(run.plan.sources),
                 dims.dp_replicate, dims.dp_shard, ep, p.reshard_after_forward, p.cpu_offload,
-                low_precision(trainer._mindspeed_args) or "as stored")
+                low_precision(run.args) or "as stored")
 
 
 def check_after_init(trainer: Any) -> None:
     """Once Trainer.__init__ is done: refuse an optimizer built on the unsharded parameters, and (5.x) take
     Trainer's path for a model that owns its placement and gradient reduction."""
-    if getattr(trainer, "_mindspeed_fsdp_plan", None) is None:
+    if not is_requested(trainer):
         return
     if trainer.optimizer is not None or trainer.lr_scheduler is not None:
         raise ValueError("mindspeed_hf FSDP2: `optimizers` passed to Trainer were built on the unsharded "
@@ -239,14 +228,14 @@ def _evaluation_loop(trainer: Any, original: Callable, *args: Any, **kwargs: Any
 
 def _move_model_to_device(trainer: Any, original: Callable, model: nn.Module, device: Any) -> None:
     """A sharded model owns its placement (a `.to()` would undo cpu_offload)."""
-    if getattr(trainer, "_mindspeed_fsdp", None) is None:
+    if not run_of(trainer).sharded:
         original(model, device)
 
 
 def _defer_reduction(trainer: Any, original: Callable) -> contextlib.AbstractContextManager:
     """Gradient accumulation: no reduction until the last micro-batch (Trainer's own version reads the mesh from a
     transformers DistributedConfig that our model does not have)."""
-    dims = trainer._mindspeed_fsdp.dims
+    dims = run_of(trainer).dims
     if not isinstance(trainer.model, FSDPModule):  # tensor parallel alone: no reduction across data ranks
         return contextlib.nullcontext()
     return parallel.defer_gradient_reduction(trainer.model, hsdp=dims.dp_replicate > 1 and dims.fsdp_size > 1)
@@ -269,7 +258,9 @@ OVERRIDES: dict[str, Callable[..., Any]] = {
 
 
 def is_requested(trainer: Any) -> bool:
-    return getattr(trainer, "_mindspeed_fsdp_plan", None) is not None
+    """True when the trainer's Run has a parallel plan (the model is, or is being, sharded by us)."""
+    run = run_of(trainer)
+    return run is not None and run.plan is not None
 
 
 def dispatch(trainer: Any, name: str, original: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -206,8 +206,9 @@ class HeldNotice(logging.Filter):
 
 
 @contextlib.contextmanager
-def ddp_notice_held() -> Iterator[HeldNotice]:
-    """While TrainingArguments are built: transformers' DDP notice held back (`release` says what becomes of it)."""
+def ddp_notice_held(args: Any = None) -> Iterator[HeldNotice]:
+    """While TrainingArguments are built: transformers' DDP notice held back (`release` says what becomes of it).
+    Given the arguments being built, the notice is kept for them until their trainer's `release_ddp_notice`."""
     gate = HeldNotice()
     hf_logger = logging.getLogger("transformers.training_args")
     hf_logger.addFilter(gate)
@@ -215,3 +216,16 @@ def ddp_notice_held() -> Iterator[HeldNotice]:
         yield gate
     finally:
         hf_logger.removeFilter(gate)
+        if args is not None:
+            _HELD[id(args)] = gate
+
+
+#: id(TrainingArguments) -> transformers' DDP notice held while they were built.
+_HELD: dict[int, HeldNotice] = {}
+
+
+def release_ddp_notice(args: Any, sharded: bool) -> None:
+    """transformers' DDP notice for these arguments: printed when we do not shard the model, dropped when we do."""
+    notice = _HELD.pop(id(args), None)
+    if notice is not None:
+        notice.release(sharded)

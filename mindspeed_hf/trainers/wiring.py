@@ -1,13 +1,14 @@
-"""Drop-in wiring: after `import mindspeed_hf`, a plain `transformers.Trainer` (and every subclass, TRL's
-SFTTrainer included) behaves like MindSpeedTrainer.
+"""The wiring: after `import mindspeed_hf`, every `transformers.Trainer` (plain, TRL's SFTTrainer, MindSpeedTrainer,
+any subclass) runs mindspeed_hf's lifecycle (lifecycle.py) from its own methods. It is the only mechanism:
+MindSpeedTrainer adds no lifecycle of its own.
 
 The methods are wrapped on the Trainer class object itself, not by rebinding the name `Trainer` in modules:
 a script that did `from transformers import Trainer` before importing mindspeed_hf holds the same class
 object, so it is covered too. Every original is kept and put back exactly by uninstall_trainer_wiring().
 Settings for such a script come from its own `fsdp`/`fsdp_config`/`parallelism_config` arguments over the process
 config (MINDSPEED_HF_* variables, MINDSPEED_HF_CONFIG=path.yaml, the accelerate launch environment, the defaults);
-the Trainer methods in fsdp.OVERRIDES (each a seam, seams.py) are wrapped too and run the same code as
-MindSpeedTrainer's while the model is sharded. TrainingArguments.__post_init__ is wrapped for DeepSpeed
+the Trainer methods in fsdp.OVERRIDES (each a seam, seams.py) are wrapped too and run ours while the model is
+sharded. TrainingArguments.__post_init__ is wrapped for DeepSpeed
 (trainers/deepspeed.py: the refusal of our parallelism with it, and deepspeed.comm before a ZeRO-3 model is built).
 """
 
@@ -18,14 +19,14 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ..patches import scope
 from ..patches.engine import PatchSet
+from . import deepspeed, fsdp, lifecycle, seams
+from .context import split_inputs
+from .fsdp_plan import ddp_notice_held
+from .run import run_of
 
 _patches = PatchSet()
-
-
-def _managed(trainer: Any) -> bool:
-    """MindSpeedTrainer does its own preparation; the wrappers leave it alone so nothing runs twice."""
-    return getattr(type(trainer), "_mindspeed_managed", False)
 
 
 def _wrap_init(original: Callable) -> Callable:
@@ -33,19 +34,14 @@ def _wrap_init(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if _managed(self):
-            return original(self, *args, **kwargs)
-        from .trainer import MindSpeedTrainer, after_init, mindspeed_setup
-
         # Find `model` and `args` however the caller passed them (positionally or by keyword).
         bound = signature.bind(self, *args, **kwargs)
-        mindspeed_setup(self, bound.arguments.get("args"))
+        lifecycle.start(self, bound.arguments.get("args"))
         model = bound.arguments.get("model")
         if model is not None:
-            # The same hook as MindSpeedTrainer's, so future mesh/FSDP steps reach plain Trainers as well.
-            bound.arguments["model"] = MindSpeedTrainer._mindspeed_prepare_model(self, model)
+            bound.arguments["model"] = lifecycle.prepare_model(self, model)
         original(*bound.args, **bound.kwargs)
-        after_init(self)
+        lifecycle.after_init(self)
 
     return __init__
 
@@ -53,12 +49,9 @@ def _wrap_init(original: Callable) -> Callable:
 def _wrap_call_model_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def call_model_init(self, *args: Any, **kwargs: Any):
+        """`model_init` models (also the re-init at train()) get the same preparation."""
         model = original(self, *args, **kwargs)
-        if _managed(self) or not hasattr(self, "_mindspeed_config"):
-            return model
-        from .trainer import MindSpeedTrainer
-
-        return MindSpeedTrainer._mindspeed_prepare_model(self, model)
+        return model if run_of(self) is None else lifecycle.prepare_model(self, model)
 
     return call_model_init
 
@@ -66,12 +59,8 @@ def _wrap_call_model_init(original: Callable) -> Callable:
 def _wrap_train(original: Callable) -> Callable:
     @functools.wraps(original)
     def train(self, *args: Any, **kwargs: Any):
-        from . import fsdp
-        from .trainer import liger_guard, watch_kernels
-
-        if not _managed(self):
-            args, kwargs = fsdp.resolve_train_call(self, args, kwargs)
-        with liger_guard(self), watch_kernels(self):
+        args, kwargs = fsdp.resolve_train_call(self, args, kwargs)
+        with lifecycle.during_train(self):
             return original(self, *args, **kwargs)
 
     return train
@@ -96,8 +85,6 @@ def _reads_only_the_loss(trainer: Any, model: Any, return_outputs: bool) -> bool
 
 def _split_for_cp(bound: inspect.BoundArguments) -> None:
     """Context parallelism: compute_loss gets this rank's share of the batch (trainers/context.py)."""
-    from .context import split_inputs
-
     args = bound.arguments
     args["inputs"], num_items = split_inputs(args.get("model"), args["inputs"], args.get("num_items_in_batch"))
     if num_items is not None:
@@ -115,8 +102,6 @@ def _wrap_compute_loss(original: Callable) -> Callable:
         _split_for_cp(bound)
         if not _reads_only_the_loss(self, bound.arguments.get("model"), bound.arguments.get("return_outputs", False)):
             return original(*bound.args, **bound.kwargs)
-        from ..patches import scope
-
         with scope.logits_unread_window():
             return original(*bound.args, **bound.kwargs)
 
@@ -124,16 +109,12 @@ def _wrap_compute_loss(original: Callable) -> Callable:
 
 
 def _wrap_fsdp(name: str) -> Callable[[Callable], Callable]:
-    """Trainer.<name> -> fsdp.OVERRIDES[name] while this trainer shards with FSDP2 (the same code MindSpeedTrainer
-    runs); otherwise, and for MindSpeedTrainer's own calls through super(), the original."""
+    """Trainer.<name> -> fsdp.OVERRIDES[name] while this trainer shards with FSDP2 (checkpoints.PLAIN for the
+    checkpoint methods of every run); otherwise the original."""
 
     def wrap(original: Callable) -> Callable:
         @functools.wraps(original)
         def method(self, *args: Any, **kwargs: Any) -> Any:
-            from . import fsdp
-
-            if _managed(self):
-                return original(self, *args, **kwargs)
             return fsdp.dispatch(self, name, functools.partial(original, self), *args, **kwargs)
 
         return method
@@ -142,15 +123,13 @@ def _wrap_fsdp(name: str) -> Callable[[Callable], Callable]:
 
 
 def _wrappers() -> dict[str, Callable[[Callable], Callable]]:
-    from .fsdp import OVERRIDES
-
     wrappers: dict[str, Callable[[Callable], Callable]] = {
         "__init__": _wrap_init,
         "call_model_init": _wrap_call_model_init,
         "train": _wrap_train,
         "compute_loss": _wrap_compute_loss,
     }
-    wrappers.update({name: _wrap_fsdp(name) for name in OVERRIDES})
+    wrappers.update({name: _wrap_fsdp(name) for name in fsdp.OVERRIDES})
     return wrappers
 
 
@@ -161,27 +140,12 @@ def _wrap_arguments_post_init(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def __post_init__(self) -> None:
-        from . import deepspeed
-        from .fsdp_plan import ddp_notice_held
-
         deepspeed.before_arguments(self)
-        with ddp_notice_held() as notice:  # released once the trainer knows whether we shard (release_ddp_notice)
+        with ddp_notice_held(self):  # released once the trainer knows whether we shard (release_ddp_notice)
             original(self)
-        HELD_NOTICES[id(self)] = notice
         deepspeed.after_arguments(self)
 
     return __post_init__
-
-
-#: id(TrainingArguments) -> transformers' DDP notice held while they were built.
-HELD_NOTICES: dict[int, Any] = {}
-
-
-def release_ddp_notice(args: Any, sharded: bool) -> None:
-    """transformers' DDP notice for these arguments: printed when we do not shard the model, dropped when we do."""
-    notice = HELD_NOTICES.pop(id(args), None)
-    if notice is not None:
-        notice.release(sharded)
 
 
 def install_trainer_wiring() -> None:
@@ -191,8 +155,6 @@ def install_trainer_wiring() -> None:
     if len(_patches):
         return
     from transformers import Trainer, TrainingArguments
-
-    from . import seams
 
     seams.check()
     for name, wrap in _wrappers().items():

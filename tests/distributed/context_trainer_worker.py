@@ -72,9 +72,13 @@ def main() -> None:
               for n, p in trainer.model.named_parameters()}
     if trainer.args.process_index == 0:
         torch.save(params, opts.out + ".pt")
-        state = getattr(trainer, "_mindspeed_fsdp", None)
+        dims = None
+        if "mindspeed_hf" in sys.modules:  # the accelerated run: its mesh
+            from mindspeed_hf.trainers import run_of
+
+            dims = run_of(trainer).dims
         facts = {"attention": trainer.model.config._attn_implementation,
-                 "cp": state.dims.cp if state else 1, "dp": state.dims.dp_size if state else 1}
+                 "cp": dims.cp if dims else 1, "dp": dims.dp_size if dims else 1}
         with open(opts.out, "w") as f:
             json.dump({"losses": record.losses, "grad_norms": record.grad_norms, **facts}, f)
     sys.stdout.flush()

@@ -60,9 +60,13 @@ def main() -> None:
     trainer.save_model(opts.out + ".saved")
     if trainer.args.process_index == 0:
         torch.save(params, opts.out + ".pt")
-        state = getattr(trainer, "_mindspeed_fsdp", None)
+        dims = None
+        if "mindspeed_hf" in sys.modules:  # the accelerated run: its mesh
+            from mindspeed_hf.trainers import run_of
+
+            dims = run_of(trainer).dims
         facts = {"attention": trainer.model.config._attn_implementation, "shares": shares,
-                 "tp": state.dims.tp if state else 1, "dp": state.dims.dp_size if state else 1}
+                 "tp": dims.tp if dims else 1, "dp": dims.dp_size if dims else 1}
         with open(opts.out, "w") as f:
             json.dump({"losses": record.losses, "grad_norms": record.grad_norms, **facts}, f)
     sys.stdout.flush()

@@ -15,7 +15,7 @@ from packaging.version import Version
 import mindspeed_hf
 from mindspeed_hf.config import Layer, MindSpeedConfig, ParallelConfig, resolve
 from mindspeed_hf.trainers import deepspeed as ds
-from mindspeed_hf.trainers.trainer import mindspeed_setup
+from mindspeed_hf.trainers.lifecycle import start
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3}}
 NEEDS_5 = pytest.mark.skipif(Version(transformers.__version__) < Version("5.0"),
@@ -76,11 +76,11 @@ def test_config_given_later_is_refused_in_the_trainer_setup():
     """enable(config) after the arguments were made: the trainer's setup refuses before Trainer.__init__."""
     mindspeed_hf.enable(MindSpeedConfig(parallel=ParallelConfig(cp=2)))
     args = SimpleNamespace(deepspeed=DS_CONFIG, fsdp=None)
-    _refused(lambda: mindspeed_setup(SimpleNamespace(), args), "context parallelism")
+    _refused(lambda: start(SimpleNamespace(), args), "context parallelism")
 
 
 def test_deepspeed_alone_or_ours_alone_is_accepted():
-    resolved = mindspeed_hf.trainers.trainer.resolve_config(None)
+    resolved = mindspeed_hf.trainers.run.resolve_config(None)
     ds.check_exclusive(SimpleNamespace(deepspeed=DS_CONFIG, fsdp=None), resolved, env={})
     ds.check_exclusive(SimpleNamespace(deepspeed=None, fsdp="full_shard"), resolved, env={})
     # dp_shard stated as 1 (and dp_replicate 1): nothing to shard, so nothing that competes with DeepSpeed

@@ -280,13 +280,13 @@ def scenario_env(root: str) -> dict:
 
 def scenario_hsdp(root: str) -> dict:
     """4 ranks: 2 replicas x 2 shards, gradient accumulation 2 (reduce-scatter per micro-batch is deferred)."""
-    from mindspeed_hf.trainers import MindSpeedTrainer, MindSpeedTrainingArguments
+    from mindspeed_hf.trainers import MindSpeedTrainer, MindSpeedTrainingArguments, run_of
 
     off = {f"mindspeed_{k}": v for k, v in KERNELS_OFF.items()}
     args = targs(MindSpeedTrainingArguments, os.path.join(root, "hsdp"), per_device_train_batch_size=BATCH,
                  mindspeed_dp_replicate=2, **GA2, **off)
     trainer, res = run(MindSpeedTrainer, tiny_model(), args)
-    dims = trainer._mindspeed_fsdp.dims
+    dims = run_of(trainer).dims
     res.update(sharding(trainer), dims=[dims.dp_replicate, dims.dp_shard])
     save_params(trainer.model, os.path.join(root, "hsdp.pt"))
     return {"hsdp": res}

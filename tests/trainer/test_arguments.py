@@ -12,6 +12,7 @@ from transformers import HfArgumentParser
 
 from mindspeed_hf.config import MindSpeedConfig, config_from_dict, settings
 from mindspeed_hf.trainers import MindSpeedTrainingArguments
+from mindspeed_hf.trainers.run import run_of
 
 FLAGS = ["--output_dir", "out", "--mindspeed_backend", "torch", "--mindspeed_rope", "false",
          "--mindspeed_loss_chunk_size", "256", "--mindspeed_dp_replicate", "2", "--mindspeed_dp_shard", "2",
@@ -119,5 +120,5 @@ def test_one_trainer_resolves_once_and_logs_each_override_once(tmp_path, monkeyp
     assert lines == 2 * ["mindspeed_hf: kernels.rope=True from the training arguments (mindspeed_*) overrides False "
                          "from the environment (MINDSPEED_HF_*)"]  # one per trainer
     assert len(merges) == 1
-    assert all(t._mindspeed_config.kernels.rope is True for t in trainers)
-    assert trainers[0]._mindspeed_config is not trainers[1]._mindspeed_config  # each trainer owns its config
+    assert all(run_of(t).config.kernels.rope is True for t in trainers)
+    assert run_of(trainers[0]).config is not run_of(trainers[1]).config  # each trainer owns its config

@@ -14,6 +14,7 @@ from transformers import Trainer
 import mindspeed_hf
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.patches import causal_lm
+from mindspeed_hf.trainers.run import run_of
 
 STEPS = 3
 
@@ -120,7 +121,7 @@ def test_plain_trainer_and_lora_still_skip_the_logits(tmp_path, fused_calls):
 def test_always_names_the_setting_when_logits_are_read(tmp_path):
     mindspeed_hf.enable(config_from_dict({"kernels": {"skip_logits": "always"}}))
     trainer = _ReadsLogits(model=tiny_model(), args=quick_args(tmp_path, max_steps=1), train_dataset=dataset())
-    assert trainer._mindspeed_report["skip_logits"] == "always"
+    assert run_of(trainer).report["skip_logits"] == "always"
     with pytest.raises(RuntimeError, match=r"kernels.skip_logits=always.*set kernels.skip_logits to auto"):
         trainer.train()
 
@@ -128,7 +129,7 @@ def test_always_names_the_setting_when_logits_are_read(tmp_path):
 def test_never_keeps_the_logits_and_report_says_which_applies(tmp_path, fused_calls):
     mindspeed_hf.enable(config_from_dict({"kernels": {"skip_logits": "never"}}))
     trainer = Trainer(model=tiny_model(), args=quick_args(tmp_path, max_steps=1), train_dataset=dataset())
-    assert trainer._mindspeed_report["skip_logits"] == "never"
+    assert run_of(trainer).report["skip_logits"] == "never"
     trainer.train()
     assert fused_calls["fused"] == 0
     mindspeed_hf.enable()

@@ -12,6 +12,7 @@ from mindspeed_hf.compat import training_args_checkpointing_names
 from mindspeed_hf.memory.recompute import decoder_layers
 from mindspeed_hf.memory.selective import is_wrapped
 from mindspeed_hf.trainers import MindSpeedTrainer, MindSpeedTrainingArguments
+from mindspeed_hf.trainers.run import run_of
 
 SWITCH = training_args_checkpointing_names()[0]
 
@@ -77,14 +78,14 @@ def test_hf_gradient_checkpointing_is_full_unless_the_config_says_otherwise(tmp_
     mindspeed_hf.enable()
     expected = _trained(_plain(tmp_path, "none"))
     trainer = _plain(tmp_path, "hf_full", **{SWITCH: True})
-    assert trainer._mindspeed_config.memory.recompute_mode == "full"
+    assert run_of(trainer).config.memory.recompute_mode == "full"
     assert getattr(trainer.args, SWITCH) is True  # the arguments stay as written (they are saved in checkpoints)
     assert all(layer.gradient_checkpointing for layer in decoder_layers(trainer.model))
     _assert_bitwise(expected, _trained(trainer))
 
     monkeypatch.setenv("MINDSPEED_HF_MEMORY_RECOMPUTE", "selective")  # a source that sets it wins
     trainer = _plain(tmp_path, "env_selective", **{SWITCH: True})
-    assert trainer._mindspeed_config.memory.recompute_mode == "selective"
+    assert run_of(trainer).config.memory.recompute_mode == "selective"
     parameters = _trained(trainer)
     assert not any(layer.gradient_checkpointing for layer in decoder_layers(trainer.model))
     assert all(is_wrapped(layer.mlp) for layer in decoder_layers(trainer.model))

@@ -15,6 +15,7 @@ import mindspeed_hf
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.patches import causal_lm, forwards
 from mindspeed_hf.trainers import MindSpeedTrainer, MindSpeedTrainingArguments
+from mindspeed_hf.trainers.run import run_of
 
 STEPS = 3
 
@@ -109,7 +110,7 @@ def test_trained_model_and_frozen_reference_keep_their_own_settings(tmp_path, ca
     hf_losses, hf = _run_with_reference(tmp_path, "hf", accelerated=False)
     mindspeed_hf.enable(config_from_dict({"backend": "torch"}))  # the policy: the process config, torch backend
     losses, ours = _run_with_reference(tmp_path, "ours", accelerated=True)
-    assert ours._mindspeed_report["backend"] == "torch"
+    assert run_of(ours).report["backend"] == "torch"
     assert mindspeed_hf.report(ours.reference)["backend"] == "npu"
     assert mindspeed_hf.report(ours.reference)["kernels"]["rope"] == 0
     # npu RMSNorm ran for the reference forwards only (9 norms each); the policy ran the torch kernel

@@ -14,6 +14,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer, TrainingArgumen
 
 import mindspeed_hf
 from mindspeed_hf.trainers import MindSpeedTrainer, MindSpeedTrainingArguments, wiring
+from mindspeed_hf.trainers.run import run_of
 
 WRAPPED = ("__init__", "call_model_init", "train")
 ORIGINALS = {name: vars(Trainer)[name] for name in WRAPPED}  # taken before anything here enables the package
@@ -66,7 +67,7 @@ def test_plain_trainer_gets_the_kernels(tmp_path, restore_wiring):
     mindspeed_hf.enable()
     trainer = Trainer(model, quick_args(tmp_path), train_dataset=dataset())  # positional model and args
     assert model.config._attn_implementation == "mindspeed"
-    assert all(n for op, n in trainer._mindspeed_report["kernels"].items() if op != "experts")  # llama: no experts
+    assert all(n for op, n in run_of(trainer).report["kernels"].items() if op != "experts")  # llama: no experts
     trainer.train()
 
 
@@ -79,7 +80,7 @@ def test_trainer_imported_before_mindspeed_hf_is_wired(tmp_path):
         "m = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,"
         " num_attention_heads=4, num_key_value_heads=2, head_dim=8))\n"
         f"t = Trainer(model=m, args=TrainingArguments(output_dir={str(tmp_path)!r}, report_to='none'))\n"
-        "print(json.dumps(t._mindspeed_report))\n"
+        "print(json.dumps(mindspeed_hf.trainers.run_of(t).report))\n"
     )
     proc = run([sys.executable, "-c", script], auto=True)
     assert '"attention": 2' in proc.stdout and '"rms_norm": 9' in proc.stdout
@@ -133,7 +134,7 @@ def test_model_init_models_are_prepared(tmp_path, restore_wiring):
     mindspeed_hf.enable()
     trainer = Trainer(model_init=lambda: tiny_model(), args=quick_args(tmp_path), train_dataset=dataset())
     assert trainer.model.config._attn_implementation == "mindspeed"
-    assert all(n for op, n in trainer._mindspeed_report["kernels"].items() if op != "experts")  # llama: no experts
+    assert all(n for op, n in run_of(trainer).report["kernels"].items() if op != "experts")  # llama: no experts
     trainer.train()  # train() builds a fresh model through model_init: prepared again
     assert trainer.model.config._attn_implementation == "mindspeed"
 
@@ -174,7 +175,7 @@ def test_plain_trainer_reads_mindspeed_hf_config(tmp_path, monkeypatch, restore_
     model = tiny_model()
     trainer = Trainer(model=model, args=quick_args(tmp_path), train_dataset=dataset())
     assert model.is_gradient_checkpointing
-    assert trainer._mindspeed_report["kernels"]["swiglu"] == 0 and trainer._mindspeed_report["kernels"]["rope"] > 0
+    assert run_of(trainer).report["kernels"]["swiglu"] == 0 and run_of(trainer).report["kernels"]["rope"] > 0
     trainer.train()
 
 

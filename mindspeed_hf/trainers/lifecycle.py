@@ -1,0 +1,160 @@
+"""The trainer lifecycle, once: what a wired Trainer (plain, TRL's SFTTrainer, MindSpeedTrainer, any subclass) does
+at each point of its life. wiring.py calls these from Trainer's own methods; nothing else runs them.
+
+- `start` (first thing in __init__): the trainer's Run - its config resolved once, contradictions refused, the
+  parallel plan read from every source of the request - before anything is patched or built;
+- `prepare_model` (before Trainer sees the model): kernels attached, then `parallel.parallelize` (recompute, the mesh
+  and each axis's step);
+- `after_init`: the checks that need Trainer's own state;
+- `during_train` (around train()): Liger's patching kept off a model we accelerate, and the kernels watched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from ..memory.recompute import absorb_hf_checkpointing
+from ..parallel.parallelize import ParallelizeOptions, parallelize
+from ..patches import apply, scope
+from . import deepspeed, frameworks, fsdp, seams
+from .fsdp_plan import release_ddp_notice
+from .run import Run, attach, resolve_config, run_of
+
+__all__ = ["after_init", "during_train", "is_accelerated", "prepare_model", "start"]
+
+logger = logging.getLogger("mindspeed_hf")
+
+
+def start(trainer: Any, args: Any) -> Run:
+    """The trainer's Run, before Trainer.__init__: its config resolved (once; overrides logged once), DeepSpeed's
+    exclusivity and Liger's checked, and the parallel plan read. Contradictions fail here, before any work."""
+    resolved = resolve_config(args)
+    resolved.log_overrides()
+    deepspeed.check_exclusive(args, resolved)  # DeepSpeed shards the model itself: not with our FSDP2 / CP / EP / TP
+    if getattr(args, "use_liger_kernel", False) and not seams.available("apply_liger_kernel"):
+        import transformers
+
+        raise ValueError(f"use_liger_kernel=True: transformers {transformers.__version__} applies Liger inside "
+                         "Trainer.__init__, over mindspeed_hf's kernels; choose one: use_liger_kernel=False, or "
+                         "MINDSPEED_HF_AUTO=0 to use Liger alone")
+    run = attach(trainer, Run(args=args, resolved=resolved, plan=fsdp.resolve_plan(args, resolved)))
+    release_ddp_notice(args, sharded=run.plan is not None)
+    return run
+
+
+def prepare_model(trainer: Any, model: nn.Module) -> nn.Module:
+    """Attach the trainer's config to `model` (PEFT-wrapped too) and run `parallelize` on it (recompute, and the
+    mesh + each axis's step when asked for); record and log what applied. Returns the model Trainer should use."""
+    run = run_of(trainer)
+    run.report = apply.apply_to_model(model, run.config)
+    applied = [op for op, n in run.report.get("kernels", {}).items() if n]
+    logger.info("mindspeed_hf: %s runs %s with kernels %s (backend %s); recompute %s", type(trainer).__name__,
+                type(model).__name__, ", ".join(applied) or "none", run.report.get("backend"),
+                _recompute_state(model, run.config))
+    dims = fsdp.build_dims(run) if run.plan is not None else None
+    options = ParallelizeOptions(param_dtype=fsdp.low_precision(run.args) if dims else None,
+                                 layer_classes=run.plan.layer_classes if run.plan else None,
+                                 broadcast_from_rank0=bool(run.plan and run.plan.cpu_ram_efficient_loading))
+    model = parallelize(model, dims, run.config, options)
+    absorb_hf_checkpointing(model, run.args, run.config.memory)  # applied: Trainer.train must not again
+    if dims is not None:
+        fsdp.log_sharded(run)
+    return model
+
+
+def _recompute_state(model: nn.Module, config: Any) -> str:
+    """What recomputes on `model`: ours (memory.recompute), HF's checkpointing switched on the model itself (as
+    LLaMA-Factory does before it builds the Trainer), or nothing."""
+    if config.memory.recompute:
+        return f"on ({config.memory.recompute_mode})"
+    hf_model = apply.find_hf_model(model)
+    if getattr(hf_model, "is_gradient_checkpointing", False):
+        return "on (Hugging Face gradient checkpointing, switched on the model)"
+    return "off"
+
+
+def is_accelerated(trainer: Any) -> bool:
+    """True when our kernels run on the trainer's model (then Liger must stay out of it)."""
+    run = run_of(trainer)
+    return bool(run and run.report and any(run.report.get("kernels", {}).values()))
+
+
+def after_init(trainer: Any) -> None:
+    """Checks once Trainer.__init__ is done: FSDP2 takeover; the fine-tuning framework driving the trainer and any
+    of its kernel options that replaced ours (one line); say once that Liger's patching is off for our model."""
+    fsdp.check_after_init(trainer)
+    frameworks.log_once(trainer, logger)
+    if getattr(trainer.args, "use_liger_kernel", False) and is_accelerated(trainer):
+        logger.warning(
+            "mindspeed_hf: use_liger_kernel=True, but mindspeed_hf already accelerates this model; Liger's "
+            "patching is skipped for it so the two do not patch the same layers (evaluation still passes "
+            "skip_logits, which the accelerated forward accepts). Set MINDSPEED_HF_AUTO=0 to use Liger instead."
+        )
+
+
+@contextlib.contextmanager
+def during_train(trainer: Any) -> Iterator[None]:
+    """Around Trainer.train: Liger's patching kept off a model we accelerate; afterwards, one warning for each
+    patched kernel that never ran."""
+    with _liger_guard(trainer), _watch_kernels(trainer):
+        yield
+
+
+@contextlib.contextmanager
+def _watch_kernels(trainer: Any) -> Iterator[None]:
+    """Afterwards, one warning when a kernel patched into the trainer's model never ran during train()
+    (report()["ran"] did not move), naming the cause when it is known: a trainer whose compute_loss computes the loss
+    itself, or code that replaced our kernels."""
+    hf_model = apply.find_hf_model(trainer.model) if getattr(trainer, "model", None) is not None else None
+    if hf_model is None or not is_accelerated(trainer):
+        yield
+        return
+    before = dict(scope.ran(hf_model))
+    yield
+    result = apply.report(trainer.model)
+    replaced = apply.replacements(trainer.model)
+    on = {op for op, n in result["kernels"].items() if n} | set(replaced.values())
+    idle = [op for op in result["kernels"] if op in on and result["ran"].get(op, 0) == before.get(op, 0)]
+    if idle:
+        logger.warning("mindspeed_hf: %s patched into %s but never ran during train()%s", ", ".join(idle),
+                       type(hf_model).__name__, _idle_cause(trainer, idle, replaced))
+
+
+def _idle_cause(trainer: Any, idle: list[str], replaced: dict[str, str]) -> str:
+    """Why patched kernels did not run, where it is known (empty when not)."""
+    from transformers import Trainer
+
+    causes = []
+    owner = next(c for c in type(trainer).__mro__ if "compute_loss" in vars(c))
+    if "fused_linear_cross_entropy" in idle and owner is not Trainer:
+        causes.append(f"{owner.__module__}.{owner.__qualname__}.compute_loss computes the loss itself, so the "
+                      "fused loss is not reached")
+    if replaced:
+        causes.append("replaced by other code: " + ", ".join(sorted(replaced)))
+    return (": " + "; ".join(causes)) if causes else ""
+
+
+@contextlib.contextmanager
+def _liger_guard(trainer: Any) -> Iterator[None]:
+    """Trainer calls `apply_liger_kernel` by its name in transformers.trainer; make that a no-op for a model we
+    accelerate."""
+    import transformers.trainer as hf_trainer
+
+    current = getattr(hf_trainer, "apply_liger_kernel", None)
+    if current is None or not getattr(trainer.args, "use_liger_kernel", False) or not is_accelerated(trainer):
+        yield
+        return
+
+    def apply_liger_kernel(model: nn.Module, kernel_config: Any = None) -> None:
+        logger.info("mindspeed_hf: skipping Liger's patching of %s (already accelerated)", type(model).__name__)
+
+    hf_trainer.apply_liger_kernel = apply_liger_kernel
+    try:
+        yield
+    finally:
+        hf_trainer.apply_liger_kernel = current
