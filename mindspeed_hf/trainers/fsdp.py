@@ -265,7 +265,9 @@ def is_requested(trainer: Any) -> bool:
 
 def dispatch(trainer: Any, name: str, original: Callable, *args: Any, **kwargs: Any) -> Any:
     """Run OVERRIDES[name] when this trainer shards with FSDP2, else checkpoints.PLAIN[name] (atomic checkpoints
-    for every run) or Trainer's own `original` (bound)."""
+    for every run mindspeed_hf set up) or Trainer's own `original` (bound)."""
+    if run_of(trainer) is None:  # made before the wiring was installed: not set up by mindspeed_hf, left alone
+        return original(*args, **kwargs)
     if is_requested(trainer):
         return OVERRIDES[name](trainer, original, *args, **kwargs)
     if name in checkpoints.PLAIN:

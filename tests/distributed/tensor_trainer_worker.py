@@ -61,10 +61,10 @@ def main() -> None:
     if trainer.args.process_index == 0:
         torch.save(params, opts.out + ".pt")
         dims = None
-        if "mindspeed_hf" in sys.modules:  # the accelerated run: its mesh
+        if "mindspeed_hf.trainers" in sys.modules:  # the accelerated run: its mesh
             from mindspeed_hf.trainers import run_of
 
-            dims = run_of(trainer).dims
+            dims = getattr(run_of(trainer), "dims", None)
         facts = {"attention": trainer.model.config._attn_implementation, "shares": shares,
                  "tp": dims.tp if dims else 1, "dp": dims.dp_size if dims else 1}
         with open(opts.out, "w") as f:
