@@ -14,6 +14,8 @@
   rank keeps the gate and the up slice of every expert's intermediate dim (``_StridedShard(1, split_factor=2)``)
   and the matching down slice (``Shard(2)``); the router is replicated, the partial outputs all-reduced, the
   gradients of the (replicated) tokens and routing weights all-reduced;
+* a PEFT LoRA layer on a projection: its base layer as above; on a colwise one A replicated and B colwise, on a
+  rowwise one A rowwise and B replicated (``_lora_styles``);
 * embeddings: vocab-parallel (``Shard(0)``, masked lookup, partial sums reduced); lm_head: HF's own class plan
   ``colwise_gather_output`` (weight ``Shard(0)``, the logits of each loss chunk gathered over the vocab shards).
 
@@ -210,8 +212,10 @@ def _local_forward(self: nn.Module, *args, **kwargs):
         return _SumForward.apply(out, group)
     if global_x is None or state.output == "local":
         return out
-    out = DTensor.from_local(out, state.mesh, global_x.placements, run_check=False, shape=global_x.shape,
-                             stride=global_x.stride())
+    shape = (*global_x.shape[:-1], out.shape[-1])  # a norm keeps the feature size, a LoRA B changes it
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    out = DTensor.from_local(out, state.mesh, global_x.placements, run_check=False, shape=torch.Size(shape),
+                             stride=stride)
     return out if state.output == "shard" else out.redistribute(placements=[Replicate()]).to_local()
 
 
@@ -269,6 +273,30 @@ def _experts_plan(plan: dict[str, str], name: str) -> None:
                              f"{style!r} only; valid choices: parallel.tp=1 for this model")
 
 
+def _is_lora(module: nn.Module) -> bool:
+    """A PEFT LoRA layer around a projection: `base_layer` plus `lora_A` / `lora_B` (one Linear per adapter)."""
+    return (isinstance(getattr(module, "base_layer", None), nn.Linear)
+            and isinstance(getattr(module, "lora_A", None), nn.ModuleDict))
+
+
+def _lora_styles(name: str, module: nn.Module, style: str, sp: bool) -> dict[str, ParallelStyle]:
+    """LoRA on a sharded projection, so that W x + B A x keeps W's layout: for a column-parallel W, A replicated
+    (its input is the replicated x; its gradient is already the full one, reduced by B's column-parallel input) and
+    B column-parallel (the update is this rank's output slice); for a row-parallel W, A row-parallel (its partial
+    r-dim sums reduced, under sequence parallelism reduce-scattered, as W's output is) and B replicated on that
+    reduced tensor (on sequence shards its gradient summed over tp, as the norms' is)."""
+    styles: dict[str, ParallelStyle] = {f"{name}.base_layer": _projection_style(style, sp)}
+    for adapter in module.lora_A:
+        if style == "colwise":
+            styles[f"{name}.lora_A.{adapter}"] = _LocalForward()
+            styles[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+        else:
+            styles[f"{name}.lora_A.{adapter}"] = _projection_style("rowwise", sp)
+            styles[f"{name}.lora_B.{adapter}"] = _LocalForward(reduce_grad=sp, sequence_input=sp,
+                                                               output="shard" if sp else "local")
+    return styles
+
+
 def _module_styles(base: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Module name (in the backbone) -> the torch parallel style applied to it."""
     styles: dict[str, ParallelStyle] = {}
@@ -280,7 +308,9 @@ def _module_styles(base: nn.Module, plan: dict[str, str], sequence_parallel: boo
         elif style == "replicated_with_grad_allreduce":
             styles[name] = _LocalForward(reduce_grad=True)
         elif style in ("colwise", "rowwise"):
-            styles[name] = _projection_style(style, sp)
+            module = base.get_submodule(name)
+            styles.update(_lora_styles(name, module, style, sp) if _is_lora(module) else
+                          {name: _projection_style(style, sp)})
     embed_out = Shard(1) if sp else Replicate()
     styles["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_out,
                                              use_local_output=not sp)

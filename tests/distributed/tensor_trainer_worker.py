@@ -4,7 +4,8 @@ with tensor parallelism from MINDSPEED_HF_CONFIG (torchrun, gloo, CPU, fp32), an
   reference (one process, plain HF, no mindspeed_hf): Trainer on the global batch (GLOBAL rows per step).
   tp        (torchrun; sizes from MINDSPEED_HF_CONFIG): the same script after `import mindspeed_hf`; each rank's
             micro-batch is GLOBAL / dp rows (every rank of a tp group gets the same batch).
-Both end with trainer.save_model(--out + ".saved"). Rank 0 writes the logged losses and grad norms, each parameter's
+--lora: a PEFT LoRA adapter on every projection (only the adapter trains). Both end with
+trainer.save_model(--out + ".saved"). Rank 0 writes the logged losses and grad norms, each parameter's
 local share (tp run) and the final parameters (gathered) to --out (.json / .pt).
 """
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--family", choices=["llama", "qwen3"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter on every projection (PEFT)")
     opts = parser.parse_args()
     if opts.scenario == "tp":
         import mindspeed_hf  # noqa: F401 - the drop-in: plain Trainer below is wired
@@ -51,6 +53,13 @@ def main() -> None:
                              dataloader_drop_last=True, use_cpu=True)
     record = Record()
     model = tiny_model(opts.family, use_cache=False)  # tie_word_embeddings=False (tiny_models' common config)
+    if opts.lora:  # B initialised at random too (init_lora_weights=False), so the adapter acts from the first step
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                 "up_proj", "down_proj"]))
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), data_collator=collate, callbacks=[record])
     trainer.train()
     shares = {n: [str(p.placements), p.to_local().numel() / p.numel()] for n, p in trainer.model.named_parameters()
@@ -65,7 +74,8 @@ def main() -> None:
             from mindspeed_hf.trainers import run_of
 
             dims = getattr(run_of(trainer), "dims", None)
-        facts = {"attention": trainer.model.config._attn_implementation, "shares": shares,
+        facts = {"attention": trainer.model.get_base_model().config._attn_implementation if opts.lora
+                 else trainer.model.config._attn_implementation, "shares": shares,
                  "tp": dims.tp if dims else 1, "dp": dims.dp_size if dims else 1}
         with open(opts.out, "w") as f:
             json.dump({"losses": record.losses, "grad_norms": record.grad_norms, **facts}, f)

@@ -10,7 +10,8 @@ with the unpatched model's in one process (HF's own loss), to 1e-5.
 tensor_trainer_worker.py: a plain transformers.Trainer script, unchanged, with `parallel: {tp: 2}` only from
 MINDSPEED_HF_CONFIG (2 ranks: tp 2; 4 ranks: dp_shard 2 x tp 2, FSDP2 over dp only), against the same script as
 plain HF in one process on the same global batches: logged losses, grad norms, final parameters, and the directory
-save_model writes (from_pretrained reloads it). Single-process: the plan, and the refusals as one line.
+save_model writes (from_pretrained reloads it); a LoRA adapter under tp=2 against one-process LoRA.
+Single-process: the plan, and the refusals as one line.
 """
 
 from __future__ import annotations
@@ -167,6 +168,32 @@ def test_plain_trainer_dp_shard2_x_tp2(trainer_root):
     assert run["shares"]["model.layers.0.self_attn.q_proj.weight"] == ["(_StridedShard(dim=0, sf=2), Shard(dim=0))",
                                                                       0.25]
     _same_as(run, ref)
+
+
+@needs_tp
+def test_plain_trainer_lora_under_tp2(trainer_root):
+    """A PEFT LoRA adapter on every projection under tp=2: A replicated / B column-sharded on q, k, v, gate, up; A
+    row-sharded / B replicated on o, down. Losses, grad norms and every parameter equal one process; save_model
+    writes the adapter, equal to the one-process adapter."""
+    from safetensors.torch import load_file
+
+    ref = _trainer_run(trainer_root, "reference_lora", "reference", "--family", "qwen3", "--lora")
+    run = _trainer_run(trainer_root, "tp2_lora", "tp", "--family", "qwen3", "--lora", config="parallel: {tp: 2}\n")
+    assert (run["attention"], run["tp"]) == ("mindspeed", 2)
+    shares = run["shares"]
+    layer = "base_model.model.model.layers.0"
+    assert shares[f"{layer}.self_attn.q_proj.lora_B.default.weight"] == ["(Shard(dim=0),)", 0.5]
+    assert shares[f"{layer}.self_attn.q_proj.lora_A.default.weight"] == ["(Replicate(),)", 1.0]
+    assert shares[f"{layer}.mlp.down_proj.lora_A.default.weight"] == ["(Shard(dim=1),)", 0.5]
+    assert shares[f"{layer}.mlp.down_proj.lora_B.default.weight"] == ["(Replicate(),)", 1.0]
+    assert shares[f"{layer}.mlp.down_proj.base_layer.weight"] == ["(Shard(dim=1),)", 0.5]
+    for key in ("losses", "grad_norms"):
+        assert max(abs(a - b) for a, b in zip(run[key], ref[key], strict=True)) <= TOL, (key, run[key], ref[key])
+    assert run["params"].keys() == ref["params"].keys()
+    assert max((run["params"][n] - ref["params"][n]).abs().max().item() for n in ref["params"]) <= TOL
+    saved, want = (load_file(str(Path(r["saved"]) / "adapter_model.safetensors")) for r in (run, ref))
+    assert saved.keys() == want.keys() and len(want) == 2 * 7 * 2  # A and B of 7 projections, 2 layers
+    assert max((saved[n] - want[n]).abs().max().item() for n in want) <= TOL
 
 
 # ---------------------------------------------------------------------------------------------- plan and refusals
