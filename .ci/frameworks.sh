@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The fine-tuning frameworks' own command lines with `import mindspeed_hf` in a sitecustomize, against their plain
 # runs (docs/frameworks.md). Builds the LLaMA-Factory 0.9.5 environment from scratch OUTSIDE the repository
-# (default /tmp/mindspeed_fw/llamafactory, or $FW_ROOT/llamafactory), then runs tests/frameworks in it.
+# (default /tmp/mindspeed_fw/llamafactory, or $FW_ROOT/llamafactory), then runs tests/frameworks in it (and, when
+# .ci/run exports RELEASE_TESTS, those first: transformers 5.6.0 is the release LLaMA-Factory 0.9.5 pins).
 # Measured on the 2-core machine: install about 5 min (quiet machine), the tests about 4.5 min.
 # FW_SWIFT=1 also builds ms-swift 4.6.0's environment and runs tests/frameworks/test_swift.py.
 set -euo pipefail
@@ -21,7 +22,12 @@ python -m pip install -q torch==2.13.0                       # the CPU build fro
 # hold torch and take the torchvision release made for it.
 printf 'torch==2.13.0\ntorchvision==0.28.0\n' > "$FW_ROOT/constraints.txt"
 PIP_CONSTRAINT="$FW_ROOT/constraints.txt" python -m pip install -q llamafactory==0.9.5 pytest
-python -m pip install -q --no-deps -e "$REPO"
+# `pip install -e` writes the egg-info into the checkout: one at a time when CI builds environments side by side
+if [ -n "${FW_INSTALL_LOCK:-}" ]; then
+    flock "$FW_INSTALL_LOCK" python -m pip install -q --no-deps -e "$REPO"
+else
+    python -m pip install -q --no-deps -e "$REPO"
+fi
 # torchvision 0.28.0 on PyPI is the CUDA build and torchaudio has no release for torch 2.13: neither loads against
 # the CPU torch, and transformers / LLaMA-Factory import them when present. Text training needs neither:
 # remove torchvision, and leave an empty stand-in for torchaudio (llamafactory.data.mm_plugin imports it at
@@ -34,8 +40,16 @@ echo '"""Stand-in: torchaudio has no build for torch 2.13; LLaMA-Factory imports
 python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|peft|trl|datasets|llamafactory) '
 echo "== install: $(( $(date +%s) - start )) s"
 
+# The release-dependent tests (.ci/run's RELEASE_TESTS) on transformers 5.6.0 with LLaMA-Factory's own pins of
+# accelerate, PEFT and TRL: the release its users run.
+if [ -n "${RELEASE_TESTS:-}" ]; then
+    release_start=$(date +%s)
+    # shellcheck disable=SC2086
+    python -m pytest -q -p no:cacheprovider --basetemp="$FW_ROOT/pytest-release" $RELEASE_TESTS
+    echo "== release tests in LLaMA-Factory's environment: $(( $(date +%s) - release_start )) s"
+fi
 test_start=$(date +%s)
-python -m pytest -q tests/frameworks -p no:cacheprovider
+python -m pytest -q tests/frameworks -p no:cacheprovider --basetemp="$FW_ROOT/pytest-frameworks"
 echo "== tests: $(( $(date +%s) - test_start )) s; total $(( $(date +%s) - start )) s"
 deactivate
 

@@ -32,7 +32,11 @@ logger = logging.getLogger("mindspeed_hf")
 
 def start(trainer: Any, args: Any) -> Run:
     """The trainer's Run, before Trainer.__init__: its config resolved (once; overrides logged once), DeepSpeed's
-    exclusivity and Liger's checked, and the parallel plan read. Contradictions fail here, before any work."""
+    exclusivity and Liger's checked, and the parallel plan read. Contradictions fail here, before any work. Once per
+    trainer: MindSpeedTrainer starts its run before it wires Trainer, and the wired __init__ then finds it."""
+    existing = run_of(trainer)
+    if existing is not None and existing.args is args:
+        return existing
     resolved = resolve_config(args)
     resolved.log_overrides()
     deepspeed.check_exclusive(args, resolved)  # DeepSpeed shards the model itself: not with our FSDP2 / CP / EP / TP

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from ..patches import apply
-from . import wiring
+from . import lifecycle, wiring
 from .enabling import enable
 from .run import run_of
 
@@ -28,7 +28,8 @@ class MindSpeedTrainer(Trainer):
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None, *rest: Any,
                  **kwargs: Any) -> None:
-        if not wiring.is_installed():  # an explicit request: wire Trainer (and patch the kernels) if not yet
+        if not wiring.is_installed():  # an explicit request: wire Trainer (and patch the kernels) if not yet,
+            lifecycle.start(self, args)  # once the trainer's settings are checked: a bad one changes nothing
             enable(apply.explicit_process_config())
         super().__init__(model, args, *rest, **kwargs)
 
