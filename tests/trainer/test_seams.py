@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import transformers
 from packaging.version import Version
+from snapshots import changed, transformers_symbols
 
 import mindspeed_hf
 from mindspeed_hf.trainers import seams, wiring
@@ -327,58 +328,19 @@ def test_a_seam_newer_than_the_release_is_not_required(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ all or nothing
-def _transformers_symbols() -> dict[str, object]:
-    """Every attribute of transformers' model modules and of their classes, Trainer and TrainingArguments, and the
-    names in the attention / mask / experts registries: what enable() may change (the families' modules are
-    imported first, so that importing them is not counted as a change)."""
-    import sys
-
-    from mindspeed_hf.patches import apply
-    from mindspeed_hf.patches.families import FAMILIES
-
-    for family in FAMILIES.values():
-        apply._modeling(family)
-
-    from transformers import AttentionInterface, Trainer, TrainingArguments
-    from transformers.masking_utils import AttentionMaskInterface
-
-    found: dict[str, object] = {}
-    modules = [m for name, m in list(sys.modules.items()) if name.startswith("transformers.models.") and m]
-    for module in modules:
-        for name, value in list(vars(module).items()):
-            found[f"{module.__name__}.{name}"] = value
-            if isinstance(value, type) and value.__module__ == module.__name__:
-                found.update({f"{module.__name__}.{name}.{k}": v for k, v in vars(value).items()})
-    for cls in (Trainer, TrainingArguments):
-        found.update({f"{cls.__name__}.{k}": v for k, v in vars(cls).items()})
-    for interface in (AttentionInterface, AttentionMaskInterface):
-        found[interface.__name__] = tuple(sorted(interface._global_mapping))
-    from mindspeed_hf import compat
-
-    experts = compat.experts_registry()
-    if experts is not None:
-        found["experts"] = tuple(sorted(experts.functions._global_mapping))
-    return found
-
-
-def _changed(before: dict, after: dict) -> list[str]:
-    return sorted(k for k in before.keys() | after.keys() if before.get(k, None) is not after.get(k, None)
-                  and before.get(k) != after.get(k))
-
-
 def test_a_missing_required_seam_refuses_enable_and_changes_nothing(monkeypatch, restore_wiring):
     from transformers import Trainer
 
     from mindspeed_hf.trainers import enabling
 
     mindspeed_hf.disable()
-    before = _transformers_symbols()
+    before = transformers_symbols()
     monkeypatch.delattr(Trainer, "_load_best_model")
     with pytest.raises(enabling.UnsupportedReleaseError, match="no longer has _load_best_model"):
         mindspeed_hf.enable()
     monkeypatch.undo()
     assert not mindspeed_hf.is_enabled() and not wiring.is_installed()
-    assert _changed(before, _transformers_symbols()) == []
+    assert changed(before, transformers_symbols()) == []
 
 
 def test_a_failure_while_patching_puts_everything_back(monkeypatch, restore_wiring):
@@ -386,7 +348,7 @@ def test_a_failure_while_patching_puts_everything_back(monkeypatch, restore_wiri
     from mindspeed_hf.patches import apply
 
     mindspeed_hf.disable()
-    before = _transformers_symbols()
+    before = transformers_symbols()
     calls = []
     original = apply._patch_family
 
@@ -400,12 +362,12 @@ def test_a_failure_while_patching_puts_everything_back(monkeypatch, restore_wiri
     with pytest.raises(RuntimeError, match="boom"):
         mindspeed_hf.enable()
     assert len(calls) == 4 and not mindspeed_hf.is_enabled() and not wiring.is_installed()
-    assert _changed(before, _transformers_symbols()) == []
+    assert changed(before, transformers_symbols()) == []
     monkeypatch.undo()
     mindspeed_hf.enable()  # and a later enable works
-    assert _changed(before, _transformers_symbols()) != []
+    assert changed(before, transformers_symbols()) != []
     mindspeed_hf.disable()
-    assert _changed(before, _transformers_symbols()) == []
+    assert changed(before, transformers_symbols()) == []
 
 
 def test_import_on_a_release_without_a_required_seam_warns_once_and_patches_nothing(tmp_path):
