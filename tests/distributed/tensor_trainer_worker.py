@@ -4,7 +4,8 @@ with tensor parallelism from MINDSPEED_HF_CONFIG (torchrun, gloo, CPU, fp32), an
   reference (one process, plain HF, no mindspeed_hf): Trainer on the global batch (GLOBAL rows per step).
   tp        (torchrun; sizes from MINDSPEED_HF_CONFIG): the same script after `import mindspeed_hf`; each rank's
             micro-batch is GLOBAL / dp rows (every rank of a tp group gets the same batch).
---lora: a PEFT LoRA adapter on every projection (only the adapter trains). Both end with
+--lora: a PEFT LoRA adapter on every projection (only the adapter trains); --save_steps / --resume: Trainer's
+checkpoints (DCP shards under tp or FSDP2) and resuming from one, also onto another layout. Both end with
 trainer.save_model(--out + ".saved"). Rank 0 writes the logged losses and grad norms, each parameter's
 local share (tp run) and the final parameters (gathered) to --out (.json / .pt).
 """
@@ -32,6 +33,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter on every projection (PEFT)")
+    parser.add_argument("--momentum", action="store_true", help="SGD with momentum 0.9 (optimizer state to resume)")
+    parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: none)")
+    parser.add_argument("--resume", default=None, help="resume_from_checkpoint")
     opts = parser.parse_args()
     if opts.scenario == "tp":
         import mindspeed_hf  # noqa: F401 - the drop-in: plain Trainer below is wired
@@ -49,7 +53,8 @@ def main() -> None:
 
     args = TrainingArguments(output_dir=opts.out + ".dir", max_steps=STEPS, optim="sgd", learning_rate=0.5,
                              per_device_train_batch_size=GLOBAL // opts.dp, max_grad_norm=0.5, logging_steps=1,
-                             report_to="none", disable_tqdm=True, seed=0, save_strategy="no",
+                             report_to="none", disable_tqdm=True, seed=0,
+                             save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
                              dataloader_drop_last=True, use_cpu=True)
     record = Record()
     model = tiny_model(opts.family, use_cache=False)  # tie_word_embeddings=False (tiny_models' common config)
@@ -60,8 +65,11 @@ def main() -> None:
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
                                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                  "up_proj", "down_proj"]))
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(), data_collator=collate, callbacks=[record])
-    trainer.train()
+    # momentum: Trainer builds the optimizer from class and arguments (its state is what a resume must restore)
+    momentum = {"optimizer_cls_and_kwargs": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9})} if opts.momentum else {}
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(), data_collator=collate, callbacks=[record],
+                      **momentum)
+    trainer.train(resume_from_checkpoint=opts.resume)
     shares = {n: [str(p.placements), p.to_local().numel() / p.numel()] for n, p in trainer.model.named_parameters()
               if isinstance(p, DTensor)}
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()

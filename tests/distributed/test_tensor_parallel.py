@@ -10,7 +10,8 @@ with the unpatched model's in one process (HF's own loss), to 1e-5.
 tensor_trainer_worker.py: a plain transformers.Trainer script, unchanged, with `parallel: {tp: 2}` only from
 MINDSPEED_HF_CONFIG (2 ranks: tp 2; 4 ranks: dp_shard 2 x tp 2, FSDP2 over dp only), against the same script as
 plain HF in one process on the same global batches: logged losses, grad norms, final parameters, and the directory
-save_model writes (from_pretrained reloads it); a LoRA adapter under tp=2 against one-process LoRA.
+save_model writes (from_pretrained reloads it); a LoRA adapter under tp=2 against one-process LoRA;
+a tp=2 checkpoint resumed as dp_shard=2.
 Single-process: the plan, and the refusals as one line.
 """
 
@@ -194,6 +195,22 @@ def test_plain_trainer_lora_under_tp2(trainer_root):
     saved, want = (load_file(str(Path(r["saved"]) / "adapter_model.safetensors")) for r in (run, ref))
     assert saved.keys() == want.keys() and len(want) == 2 * 7 * 2  # A and B of 7 projections, 2 layers
     assert max((saved[n] - want[n]).abs().max().item() for n in want) <= TOL
+
+
+@needs_tp
+def test_checkpoint_of_tp2_resumes_onto_dp_shard2(trainer_root):
+    """A Trainer checkpoint written under tp=2 (DCP shards of the model and the SGD momentum) resumed on the same 2
+    ranks laid out as dp_shard=2 (FSDP2): the resumed step's loss and the final parameters equal 3 uninterrupted
+    steps in one process."""
+    ref = _trainer_run(trainer_root, "reference_momentum", "reference", "--family", "llama", "--momentum")
+    _trainer_run(trainer_root, "tp2_saves", "tp", "--family", "llama", "--momentum", "--save_steps", "2",
+                 config="parallel: {tp: 2}\n")
+    checkpoint = trainer_root / "tp2_saves.json.dir" / "checkpoint-2"
+    run = _trainer_run(trainer_root, "dp2_resumes", "tp", "--family", "llama", "--momentum", "--dp", "2",
+                       "--resume", str(checkpoint), config="parallel: {dp_shard: 2}\n")
+    assert (run["tp"], run["dp"]) == (1, 2)
+    assert len(run["losses"]) == 1 and abs(run["losses"][0] - ref["losses"][2]) <= TOL, (run["losses"], ref["losses"])
+    assert max((run["params"][n] - ref["params"][n]).abs().max().item() for n in ref["params"]) <= TOL
 
 
 # ---------------------------------------------------------------------------------------------- plan and refusals
