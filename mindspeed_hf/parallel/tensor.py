@@ -343,6 +343,17 @@ def _replicate_rest(model: nn.Module, mesh: DeviceMesh) -> None:
             parallelize_module(module, mesh, _LocalForward())
 
 
+def _grads_in_param_placements(model: nn.Module) -> None:
+    """A gradient arrives in the placement its op's sharding rule gives: the vocab-parallel embedding's is
+    Replicate (the whole table). Each is put in its parameter's placement before it accumulates (Replicate ->
+    Shard is a local slice), so a rank keeps only its shard of every gradient, as of every parameter."""
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            placements = param.placements
+            param.register_hook(lambda grad, placements=placements: grad if not isinstance(grad, DTensor)
+                                or grad.placements == placements else grad.redistribute(placements=placements))
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True) -> nn.Module:
     """Shard `model` (a transformers causal LM, or a PEFT model around one) over the 1-D `tp_mesh`, in place, and
     return it. Checked first (``check_tensor_parallel``); the parameters must be materialised (not ``meta``).
@@ -363,6 +374,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     if head is not None:  # HF's class plan: colwise_gather_output
         parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
     _replicate_rest(hf_model, tp_mesh)
+    _grads_in_param_placements(hf_model)
     hf_model._mindspeed_tp_mesh = tp_mesh
     return model
 
