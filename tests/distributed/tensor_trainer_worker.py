@@ -29,7 +29,7 @@ STEPS, GLOBAL = 3, 8
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["reference", "tp"])
-    parser.add_argument("--family", choices=["llama", "qwen3"], required=True)
+    parser.add_argument("--family", choices=["llama", "qwen3", "qwen3_moe"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter on every projection (PEFT)")

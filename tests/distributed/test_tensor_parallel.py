@@ -145,7 +145,7 @@ def _same_as(run: dict, ref: dict) -> None:
 
 
 @needs_tp
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 def test_plain_trainer_with_tp_from_the_config_equals_one_process(trainer_root, family):
     """tp=2 from MINDSPEED_HF_CONFIG alone, kernels on: 3 clipped SGD steps equal the plain-HF Trainer in one process
     (losses, grad norms, parameters, the saved directory); each rank holds half of every sharded weight."""
