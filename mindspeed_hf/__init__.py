@@ -36,7 +36,8 @@ if not _logger.handlers:
 # Loaded on first use (they import torch and transformers): name -> module.
 _LAZY = {**dict.fromkeys(("active_config", "apply_to_model", "is_enabled", "report"), "mindspeed_hf.patches.apply"),
          **dict.fromkeys(("disable", "enable"), "mindspeed_hf.trainers.enabling"),
-         **dict.fromkeys(("MindSpeedTrainer", "MindSpeedTrainingArguments"), "mindspeed_hf.trainers")}
+         **dict.fromkeys(("MindSpeedTrainer", "MindSpeedTrainingArguments"), "mindspeed_hf.trainers"),
+         "export": "mindspeed_hf.trainers.export"}
 
 
 def __getattr__(name: str) -> Any:
@@ -123,6 +124,7 @@ __all__ = [
     "auto_enable",
     "disable",
     "enable",
+    "export",
     "get_config",
     "is_enabled",
     "load_config",

@@ -1,4 +1,4 @@
-"""The `mindspeed-hf` command: `train [CONFIG.yaml] [--key value ...]`, `env`, `bench [CONFIG.yaml]`.
+"""The `mindspeed-hf` command: `train [CONFIG.yaml] [--key value ...]`, `env`, `bench [CONFIG.yaml]`, `export`.
 
 Any option `train` does not know itself is a TrainingArguments override (`--output_dir DIR --max_steps 5`).
 The config path is taken by hand rather than as an argparse positional: argparse would otherwise take the value
@@ -31,6 +31,9 @@ commands:
         then one counted step of each (aten ops, torch_npu calls, saved bytes, largest tensor); --profile: a
         chrome trace of a few accelerated steps and the top operators; --plot: a chart (needs the [plot] extra);
         --memory: the memory report of the run instead
+  export CHECKPOINT OUT [--merge-lora] [--dtype bf16|fp16|fp32] [--shard-size 5GB]
+        a checkpoint of any layout (sharded DCP or not; a PEFT run: its adapter, or with --merge-lora the merged
+        model) as a Hugging Face directory, in one CPU process
 """
 
 
@@ -266,6 +269,28 @@ def cmd_bench(argv: list[str]) -> int:
     return 0
 
 
+def cmd_export(argv: list[str]) -> int:
+    """`mindspeed-hf export CHECKPOINT OUT`: trainers/export.py; errors are one line (exit status 2)."""
+    parser = argparse.ArgumentParser(prog="mindspeed-hf export", description="a checkpoint as a Hugging Face model")
+    parser.add_argument("checkpoint")
+    parser.add_argument("out")
+    parser.add_argument("--merge-lora", action="store_true", help="a LoRA run: write the merged full model")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: as saved")
+    parser.add_argument("--shard-size", default="5GB", help="the largest safetensors file (default 5GB)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    own = parser.parse_args(argv)
+
+    def run() -> int:
+        from ..trainers.export import export
+
+        out = export(own.checkpoint, own.out, merge_lora=own.merge_lora, dtype=own.dtype,
+                     max_shard_size=own.shard_size)
+        print(f"mindspeed-hf export: wrote {out}")
+        return 0
+
+    return _one_line_errors("export", own.debug, run)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mindspeed-hf` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -281,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
             return env_main()
 
         return _one_line_errors("env", "--debug" in rest, env)
-    handlers = {"train": cmd_train, "bench": cmd_bench}
+    handlers = {"train": cmd_train, "bench": cmd_bench, "export": cmd_export}
     if command not in handlers:
-        print(f"mindspeed-hf: unknown command {command!r}; choose one of train, env, bench\n\n{USAGE}",
+        print(f"mindspeed-hf: unknown command {command!r}; choose one of train, env, bench, export\n\n{USAGE}",
               file=sys.stderr)
         return 2
     return handlers[command](rest)

@@ -158,13 +158,29 @@ def _plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _save_configs(model: nn.Module, save_directory: str) -> None:
+    """Beside a checkpoint's shards, what names the model: its config (with its architectures, as HF's
+    save_pretrained sets them) and generation config, and a PEFT model's adapter configs - what
+    `mindspeed-hf export` rebuilds the model from."""
+    os.makedirs(save_directory, exist_ok=True)
+    hf_model = parallel.unwrap_hf_model(model)
+    hf_model.config.architectures = [type(hf_model).__name__]
+    hf_model.config.save_pretrained(save_directory)
+    if getattr(hf_model, "generation_config", None) is not None and hf_model.can_generate():
+        hf_model.generation_config.save_pretrained(save_directory)
+    for name, config in (getattr(model, "peft_config", None) or {}).items():
+        config.save_pretrained(save_directory if name == "default" else os.path.join(save_directory, name))
+
+
 @contextlib.contextmanager
-def _weights_already_written(model: nn.Module) -> Iterator[None]:
+def _weights_already_written(model: nn.Module, checkpoint: bool) -> Iterator[None]:
     """While Trainer's save_model runs: the model's `save_pretrained` (what Trainer's `_save` writes the weights
-    with, every release) writes nothing, as the weights were written already (collectively); the rest of Trainer's
-    save - processor, training arguments, push_to_hub - is its own."""
+    with, every release) writes no weights (written already, collectively); in a checkpoint it writes the configs
+    beside the shards (`_save_configs`). The rest of Trainer's save - processor, training arguments, push_to_hub -
+    is its own."""
     own = vars(model).get("save_pretrained")
-    model.save_pretrained = lambda *args, **kwargs: None
+    model.save_pretrained = lambda save_directory, *args, **kwargs: (
+        _save_configs(model, save_directory) if checkpoint else None)
     try:
         yield
     finally:
@@ -179,11 +195,12 @@ def _save_model(trainer: Any, original: Callable, output_dir: str | None = None,
     `from_pretrained` loads (PEFT: the adapter only), gathered to rank 0's host memory. Then Trainer's own
     save_model, which writes everything else (its weight writer made a no-op)."""
     output_dir = output_dir or trainer.args.output_dir
-    if checkpoints.begin_checkpoint_dir(trainer, output_dir):  # called by Trainer._save_checkpoint: staging
+    checkpoint = checkpoints.begin_checkpoint_dir(trainer, output_dir)  # called by Trainer._save_checkpoint: staging
+    if checkpoint:
         parallel.save_model_shards(trainer.model, os.path.join(output_dir, MODEL_DIR))
     else:
         parallel.save_hf_consolidated(trainer.model, output_dir)
-    with _weights_already_written(trainer.model):
+    with _weights_already_written(trainer.model, checkpoint):
         original(output_dir, _internal_call=_internal_call)
 
 

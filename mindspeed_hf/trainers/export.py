@@ -1,0 +1,171 @@
+"""`mindspeed_hf.export` / `mindspeed-hf export`: a checkpoint the accelerator wrote, as a Hugging Face model directory,
+in one CPU process (no torchrun).
+
+A sharded checkpoint (`checkpoint-N/` with `pytorch_model_fsdp_0/`, the DCP shards of any layout: dp_shard, HSDP,
+ep, cp, tp) is read back whole - DCP re-assembles every tensor from its shards, whatever the layout that wrote it -
+into the model rebuilt on the meta device from the config the checkpoint carries (trainers/fsdp.py writes it beside
+the shards), and written with the model's own `save_pretrained`: HF's names and formats (transformers 5 reverts its
+weight conversions there, e.g. fused MoE experts), its shard size. A PEFT run gives the adapter (PEFT's format), or
+with `merge_lora` the merged model (PEFT's `merge_and_unload`). An unsharded directory (Trainer's checkpoint without
+sharding, or `save_model`'s output) is read with `from_pretrained` and written the same way. The processor and
+tokenizer files Trainer saved beside the weights are copied; README.md says where the model came from.
+
+Memory: the whole model once, on the CPU, in the dtype it was saved in (not yet streamed tensor by tensor).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoints import TRAINER_STATE, check_checkpoint, checkpoint_step
+from .fsdp import MODEL_DIR, OPTIMIZER_DIR
+
+__all__ = ["export"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: what a checkpoint holds besides the model's side files: training state, weights, and what save_pretrained writes
+_NOT_COPIED = ("COMPLETE", "rng_state*.pth", "scheduler.pt", "optimizer.pt", "scaler.pt", TRAINER_STATE,
+               "training_args.bin", "*.safetensors", "*.bin", "*.index.json", "config.json", "generation_config.json",
+               "adapter_config.json", "README.md")
+
+
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge_lora: bool = False,
+           dtype: str | None = None, max_shard_size: str = "5GB") -> str:
+    """Write the model of `checkpoint` to `out` as a Hugging Face directory; returns `out`.
+
+    Args:
+        checkpoint: a Trainer checkpoint (`checkpoint-N`, sharded or not) or a `save_model` directory.
+        out: the directory to write (created; must not be the checkpoint itself).
+        merge_lora: for a PEFT LoRA run, write the merged full model instead of the adapter.
+        dtype: `bf16`, `fp16` or `fp32` (default: as saved).
+        max_shard_size: the largest safetensors file (`save_pretrained`'s setting).
+
+    Raises ValueError (one line naming the file or the setting) for an incomplete or truncated checkpoint, a
+    directory that holds no model, `merge_lora` without an adapter, or an unknown dtype.
+    """
+    src, out = os.path.normpath(str(checkpoint)), os.path.normpath(str(out))
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"export: unknown dtype {dtype!r}; valid choices: {', '.join(DTYPES)}")
+    if os.path.abspath(src) == os.path.abspath(out):
+        raise ValueError(f"export: the output directory {out} is the checkpoint itself; choose another")
+    sharded = os.path.isdir(os.path.join(src, MODEL_DIR))
+    if sharded or os.path.isfile(os.path.join(src, TRAINER_STATE)):  # a Trainer checkpoint: finished and whole?
+        src = check_checkpoint(src, sharded=sharded)
+    model = _from_shards(src) if sharded else _from_directory(src)
+    if merge_lora:
+        if not hasattr(model, "merge_and_unload"):
+            raise ValueError(f"export --merge-lora: {src} holds no LoRA adapter (no adapter_config.json)")
+        model = model.merge_and_unload()
+    if dtype is not None:
+        model = model.to(DTYPES[dtype])
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    _copy_side_files(src, out)
+    _say_where_from(src, out, merge_lora)
+    return out
+
+
+def _model_class(config: Any) -> type[nn.Module]:
+    """The class named by the config's `architectures` (what save_pretrained recorded), from transformers."""
+    import transformers
+
+    names = getattr(config, "architectures", None) or []
+    for name in names:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    raise ValueError(f"export: config.json names no transformers model class (architectures={names}); valid "
+                     "choices: a checkpoint written by a transformers model")
+
+
+def _is_peft(src: str) -> bool:
+    return os.path.isfile(os.path.join(src, "adapter_config.json"))
+
+
+def _from_shards(src: str) -> nn.Module:
+    """The model of a sharded checkpoint: rebuilt on the meta device from its config, its tensors assigned from the
+    DCP shards (every shard layout reads back whole in one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise ValueError(f"export: {src} has no config.json (a checkpoint written before mindspeed_hf recorded the "
+                         "model's config beside its shards); valid choices: a checkpoint of this release, or "
+                         "save_model's output")
+    config = AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        model = _model_class(config)._from_config(config)
+    if _is_peft(src):
+        from peft import PeftConfig, get_peft_model
+
+        model = get_peft_model(model, PeftConfig.from_pretrained(src))
+    reader = dcp.FileSystemReader(os.path.join(src, MODEL_DIR))
+    stored = {key.removeprefix("model."): meta for key, meta in reader.read_metadata().state_dict_metadata.items()
+              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in stored.items()}
+    dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if _is_persistent(model, k)]
+    if missing or unexpected:
+        raise ValueError(f"export: the shards in {os.path.join(src, MODEL_DIR)} do not match {type(model).__name__} "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]}); an unknown layout")
+    # non-persistent buffers (rotary frequencies) stay on meta: save_pretrained does not write them
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def _is_persistent(model: nn.Module, key: str) -> bool:
+    """False for a tied parameter's second name (written once) - load_state_dict reports it missing."""
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return key not in tied and not any(key.endswith(f".{k}") for k in tied)
+
+
+def _from_directory(src: str) -> nn.Module:
+    """An unsharded checkpoint or save_model directory, read with from_pretrained (PEFT: PeftModel on its base)."""
+    from transformers import AutoConfig
+
+    if _is_peft(src):
+        from peft import PeftConfig, PeftModel
+
+        base = PeftConfig.from_pretrained(src).base_model_name_or_path
+        if not base:
+            raise ValueError(f"export: {src}/adapter_config.json names no base model (base_model_name_or_path)")
+        return PeftModel.from_pretrained(_model_class(AutoConfig.from_pretrained(base)).from_pretrained(base), src)
+    weights = [f for f in os.listdir(src) if fnmatch.fnmatch(f, "*.safetensors") or fnmatch.fnmatch(f, "*.bin")]
+    if not os.path.isfile(os.path.join(src, "config.json")) or not weights:
+        found = ", ".join(sorted(os.listdir(src))[:8]) or "nothing"
+        raise ValueError(f"export: {src} holds no model (looked for {MODEL_DIR}/, config.json with model weights, "
+                         f"adapter_config.json); found: {found}")
+    return _model_class(AutoConfig.from_pretrained(src)).from_pretrained(src)
+
+
+def _copy_side_files(src: str, out: str) -> None:
+    """Tokenizer, processor and chat-template files Trainer saved in the checkpoint (not its training state)."""
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not any(fnmatch.fnmatch(name, p) for p in _NOT_COPIED):
+            shutil.copy2(path, os.path.join(out, name))
+
+
+def _say_where_from(src: str, out: str, merged: bool) -> None:
+    """One line in README.md: the checkpoint, its step and its run."""
+    step = checkpoint_step(src)
+    what = "merged LoRA model" if merged else ("LoRA adapter" if _is_peft(src) else "model")
+    line = (f"Exported by `mindspeed-hf export` ({what}) from {os.path.abspath(src)}"
+            f"{f' (step {step})' if step is not None else ''}, run {os.path.abspath(os.path.dirname(src))}.\n")
+    readme = os.path.join(out, "README.md")
+    separator = "\n" if os.path.isfile(readme) and os.path.getsize(readme) else ""  # PEFT writes a model card
+    with open(readme, "a") as f:
+        f.write(separator + line)
+    with open(os.path.join(out, "export.json"), "w") as f:
+        json.dump({"checkpoint": os.path.abspath(src), "step": step, "what": what,
+                   "sharded": os.path.isdir(os.path.join(src, MODEL_DIR)),
+                   "optimizer_state_left": os.path.isdir(os.path.join(src, OPTIMIZER_DIR))}, f, indent=1)

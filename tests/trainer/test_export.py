@@ -1,0 +1,105 @@
+"""`mindspeed_hf.export` / `mindspeed-hf export` on checkpoints written in one process the way a sharded run writes
+them (DCP shards of the model, the configs beside them, the COMPLETE marker), against the model itself: every tensor
+that `from_pretrained` reads back equals the model's; a LoRA run gives PEFT's adapter, or with merge_lora PEFT's own
+merge_and_unload. Incomplete and truncated checkpoints are refused in one line naming the file. (Checkpoints of real
+sharded Trainer runs: tests/distributed/test_export_runs.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from tiny_models import tiny_model
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from transformers import AutoModelForCausalLM
+
+import mindspeed_hf
+from mindspeed_hf.cli.main import main as command
+from mindspeed_hf.parallel.checkpoint import mark_complete
+from mindspeed_hf.trainers.fsdp import MODEL_DIR, _save_configs
+
+
+def _checkpoint(root, model, step: int = 4, complete: bool = True) -> str:
+    path = os.path.join(root, f"checkpoint-{step}")
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(path, MODEL_DIR), no_dist=True)
+    _save_configs(model, path)
+    with open(os.path.join(path, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": step}, f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 64}, f)
+    if complete:
+        mark_complete(path, global_step=step)
+    return path
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())[:5]
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_export_of_a_sharded_checkpoint_loads_equal(tmp_path, family):
+    model = tiny_model(family)
+    with torch.no_grad():  # not the initial weights: the export must read them from the shards
+        for p in model.parameters():
+            p.add_(0.01)
+    out = mindspeed_hf.export(_checkpoint(tmp_path, model), tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert _max_diff(loaded.state_dict(), model.state_dict()) == 0
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text()) == {"model_max_length": 64}
+    assert "(step 4)" in (tmp_path / "hf" / "README.md").read_text()
+    assert not (tmp_path / "hf" / "trainer_state.json").exists()
+
+
+def test_export_in_bf16_with_small_shards(tmp_path):
+    model = tiny_model("llama")
+    out = mindspeed_hf.export(_checkpoint(tmp_path, model), tmp_path / "hf", dtype="bf16", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert _max_diff(loaded.state_dict(), model.to(torch.bfloat16).state_dict()) == 0
+
+
+def test_lora_run_gives_the_adapter_or_the_merged_model(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    base = tiny_model("qwen3")
+    peft_model = get_peft_model(tiny_model("qwen3"), LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
+                                                                  init_lora_weights=False))
+    checkpoint = _checkpoint(tmp_path, peft_model)
+    adapter = mindspeed_hf.export(checkpoint, tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(tiny_model("qwen3"), adapter)
+    lora = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    assert _max_diff({k: v for k, v in reloaded.state_dict().items() if "lora_" in k}, lora) == 0
+    merged = mindspeed_hf.export(checkpoint, tmp_path / "merged", merge_lora=True)
+    want = PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
+    assert _max_diff(AutoModelForCausalLM.from_pretrained(merged).state_dict(), want) == 0
+
+
+def test_refusals_are_one_line_naming_the_file(tmp_path, capsys):
+    model = tiny_model("llama")
+    incomplete = _checkpoint(tmp_path / "a", model, complete=False)
+    assert command(["export", incomplete, str(tmp_path / "out")]) == 2
+    assert "no COMPLETE marker" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    checkpoint = _checkpoint(tmp_path / "b", model)
+    shard = next(p for p in (tmp_path / "b" / "checkpoint-4" / MODEL_DIR).iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert command(["export", checkpoint, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and shard.name in err, err
+    with pytest.raises(ValueError, match="holds no LoRA adapter"):
+        mindspeed_hf.export(_checkpoint(tmp_path / "c", model), tmp_path / "out", merge_lora=True)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no model"):
+        mindspeed_hf.export(tmp_path / "empty", tmp_path / "out")
+    with pytest.raises(SystemExit, match="2"):  # argparse names the choices
+        command(["export", checkpoint, str(tmp_path / "x"), "--dtype", "int8"])
+
+
+def test_the_command_exports(tmp_path, capsys):
+    model = tiny_model("llama")
+    assert command(["export", _checkpoint(tmp_path, model), str(tmp_path / "hf")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert _max_diff(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict(), model.state_dict()) == 0
