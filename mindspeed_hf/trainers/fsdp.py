@@ -164,7 +164,9 @@ def _save_configs(model: nn.Module, save_directory: str) -> None:
     `mindspeed-hf export` rebuilds the model from."""
     os.makedirs(save_directory, exist_ok=True)
     hf_model = parallel.unwrap_hf_model(model)
-    hf_model.config.architectures = [type(hf_model).__name__]
+    # the model's own class, not the FSDP2 subclass fully_shard made (FSDP<Class>)
+    own = next((c for c in type(hf_model).__mro__ if not issubclass(c, FSDPModule)), type(hf_model))
+    hf_model.config.architectures = [own.__name__]
     hf_model.config.save_pretrained(save_directory)
     if getattr(hf_model, "generation_config", None) is not None and hf_model.can_generate():
         hf_model.generation_config.save_pretrained(save_directory)
