@@ -1,0 +1,94 @@
+"""Peak memory and time of `mindspeed-hf export` on a Qwen3-0.6B-shaped sharded checkpoint (random weights).
+
+    python benchmarks/bench_export.py [--dtype bf16] [--layers 28] [--out benchmarks/results/export_cpu.md]
+
+Writes a checkpoint the way a sharded Trainer run does (DCP shards of the model, the config beside them, the
+COMPLETE marker), then runs the command in a child process (`--repeats` times) and reports its resident-memory high
+-water mark (the child's ru_maxrss) against the size of the model's tensors, and its wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("MINDSPEED_HF_AUTO", "0")
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def write_checkpoint(root: str, args) -> tuple[str, int]:
+    """checkpoint-1 of a Qwen3-0.6B-shaped model (its tensors in `args.dtype`); returns (path, tensor bytes)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from mindspeed_hf.parallel.checkpoint import mark_complete
+    from mindspeed_hf.trainers.fsdp import MODEL_DIR, _save_configs
+
+    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=args.layers,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to(getattr(torch, DTYPES[args.dtype]))
+    path = os.path.join(root, "checkpoint-1")
+    state = model.state_dict()
+    dcp.save({"model": state}, checkpoint_id=os.path.join(path, MODEL_DIR), no_dist=True)
+    _save_configs(model, path)
+    with open(os.path.join(path, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": 1}, f)
+    mark_complete(path, global_step=1)
+    size = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())
+    return path, size
+
+
+def measure(checkpoint: str | None, out: str) -> tuple[float, int]:
+    """(seconds, peak RSS bytes) of one export in a fresh process (checkpoint None: the imports alone)."""
+    env = {**os.environ, "MINDSPEED_HF_AUTO": "0", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    code = ("import resource, sys, transformers, peft; from mindspeed_hf.trainers.export import export;"
+            "sys.argv[1] != '-' and export(sys.argv[1], sys.argv[2]);"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, checkpoint or "-", out], env=env, check=True,
+                          capture_output=True, text=True)
+    return time.perf_counter() - start, int(proc.stdout.strip().splitlines()[-1]) * 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results_io import emit
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint, size = write_checkpoint(tmp, args)
+        runs = [measure(checkpoint, os.path.join(tmp, f"hf{i}")) for i in range(args.repeats)]
+        imports = measure(None, tmp)[1]
+    gib = 1 << 30
+    seconds, peaks = [r[0] for r in runs], [r[1] for r in runs]
+    peak = f"{statistics.median(peaks) / gib:.2f} [{min(peaks) / gib:.2f}-{max(peaks) / gib:.2f}]"
+    lines = [f"Qwen3-0.6B shape ({args.layers} layers, hidden 1024, vocabulary 151936, tied embeddings), {args.dtype}, "
+             f"random weights; sharded checkpoint (DCP) exported by `mindspeed_hf.export` in a fresh process, "
+             f"{args.repeats} runs, median [min-max]", "",
+             "| model tensors (GiB) | export peak RSS (GiB) | of which the imports | (peak - imports) / model "
+             "| seconds |",
+             "|---|---|---|---|---|",
+             f"| {size / gib:.2f} | {peak} | {imports / gib:.2f} | {(statistics.median(peaks) - imports) / size:.2f}x"
+             f" | {statistics.median(seconds):.1f} "
+             f"[{min(seconds):.1f}-{max(seconds):.1f}] |"]
+    emit("\n".join(lines), args.out)
+
+
+if __name__ == "__main__":
+    main()
