@@ -16,14 +16,8 @@ per-round ratios. Plain Hugging Face forwards on both sides (kernels off), fp32.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("MINDSPEED_HF_AUTO", "0")
@@ -90,6 +84,7 @@ def _watch_materialised(model) -> list[int]:
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
+    from results_io import interleaved_times, write_result
 
     from mindspeed_hf.parallel import init_distributed
 
@@ -103,19 +98,10 @@ def worker(args) -> None:
         seen = _watch_materialised(model)
         _step(model, opts[kind], _rows(kind, rank, args))  # also the warm-up
         result["memory"][kind] = {**_held(model, opts[kind]), "layer": seen[0]}
-    for r in range(args.rounds):
-        for kind in list(LAYOUTS) if r % 2 == 0 else list(LAYOUTS)[::-1]:
-            ids = _rows(kind, rank, args)
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                _step(models[kind], opts[kind], ids)
-            dist.barrier()
-            result["times"][kind].append((time.perf_counter() - start) / args.steps)
-    if rank == 0:
-        Path(args.result).write_text(json.dumps(result))
-    dist.barrier()
-
+    rows = {kind: _rows(kind, rank, args) for kind in LAYOUTS}
+    result["times"] = interleaved_times(list(LAYOUTS), args.rounds, args.steps,
+                                        lambda kind: _step(models[kind], opts[kind], rows[kind]))
+    write_result(args.result, result)
 
 def table(result: dict, args) -> str:
     mem, times = result["memory"], result["times"]
@@ -139,36 +125,11 @@ def table(result: dict, args) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=4, help="global rows per step (dp_shard=2: half per rank)")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--model_dir")
-    ap.add_argument("--result")
-    args = ap.parse_args()
-    if args.worker:
-        return worker(args)
-    import torch
-    from results_io import emit
-    from transformers import AutoModelForCausalLM
+    from results_io import torchrun_main, torchrun_parser
 
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(model_config(args)).save_pretrained(tmp)
-        result = os.path.join(tmp, "result.json")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        passed = [f"--{k}={getattr(args, k)}" for k in ("hidden", "layers", "vocab", "batch", "seq", "steps", "rounds")]
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        __file__, "--worker", f"--model_dir={tmp}", f"--result={result}", *passed],
-                       env=env, check=True)
-        emit(table(json.loads(Path(result).read_text()), args), args.out)
+    ap = torchrun_parser(__doc__.splitlines()[0], hidden=256, rounds=6)
+    ap.add_argument("--vocab", type=int, default=4096)
+    torchrun_main(__file__, ap, worker, model_config, table)
 
 
 if __name__ == "__main__":

@@ -62,3 +62,91 @@ def run_worker_self(script: str, auto: str, *extra: str, **env: str) -> dict:
     out = subprocess.run(cmd, env={**os.environ, "MINDSPEED_HF_AUTO": auto, **env}, check=True, capture_output=True,
                          text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def run_torchrun_self(script: str, model, args, names: tuple[str, ...], nproc: int = 2) -> dict:
+    """Save `model` to a temporary directory and run `script --worker --model_dir=... --result=...` (plus the
+    `names` of `args` as `--name=value`) under torchrun with `nproc` CPU processes (one thread each); the JSON
+    object its rank 0 wrote to the result file."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        result = os.path.join(tmp, "result.json")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+        passed = [f"--{name}={getattr(args, name)}" for name in names]
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                        script, "--worker", f"--model_dir={tmp}", f"--result={result}", *passed], env=env, check=True)
+        return json.loads(Path(result).read_text())
+
+
+def torchrun_parser(description: str, **defaults: int):
+    """The arguments of a benchmark that launches itself under torchrun (run_torchrun_self): the model and batch
+    shape and the rounds (`defaults` overrides hidden, layers, batch, seq, steps, rounds), --out, and the worker's
+    own --worker / --model_dir / --result."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    for name, default in {"hidden": 128, "layers": 4, "batch": 4, "seq": 128, "steps": 3, "rounds": 4,
+                          **defaults}.items():
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--model_dir")
+    ap.add_argument("--result")
+    return ap
+
+
+def torchrun_main(script: str, ap, worker, model_config, table) -> None:
+    """main() of a benchmark that launches itself under torchrun: with --worker, `worker(args)` (one rank); else a
+    model from `model_config(args)` (seed 0), the workers on it (run_torchrun_self, passing every setting of `ap`),
+    and `table(result, args)` printed or written to --out."""
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config(args))
+    names = tuple(k for k in vars(args) if k not in ("out", "worker", "model_dir", "result"))
+    emit(table(run_torchrun_self(script, model, args, names), args), args.out)
+
+
+def interleaved_times(kinds: list[str], rounds: int, steps: int, step) -> dict[str, list[float]]:
+    """Seconds per step of each kind over `rounds` rounds, the order alternating (a b, b a, ...), every rank
+    starting and stopping together (barriers); `step(kind)` runs one step."""
+    import time
+
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for r in range(rounds):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(kind)
+            dist.barrier()
+            times[kind].append((time.perf_counter() - start) / steps)
+    return times
+
+
+def write_result(path: str, result: dict) -> None:
+    """Rank 0 writes the worker's result (JSON) for run_torchrun_self; every rank waits for it."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(result))
+    dist.barrier()
