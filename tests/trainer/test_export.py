@@ -54,6 +54,17 @@ def test_export_of_a_sharded_checkpoint_loads_equal(tmp_path, family):
     assert not (tmp_path / "hf" / "trainer_state.json").exists()
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "llava"])
+def test_export_of_a_vision_language_checkpoint(tmp_path, model_type):
+    """The class the config names (a VL model, not a causal LM): its own save_pretrained writes HF's key names."""
+    from tiny_vlms import tiny_vlm
+    from transformers import AutoModelForImageTextToText
+
+    model = tiny_vlm(model_type)
+    out = mindspeed_hf.export(_checkpoint(tmp_path, model), tmp_path / "hf")
+    assert _max_diff(AutoModelForImageTextToText.from_pretrained(out).state_dict(), model.state_dict()) == 0
+
+
 def test_export_in_bf16_with_small_shards(tmp_path):
     model = tiny_model("llama")
     out = mindspeed_hf.export(_checkpoint(tmp_path, model), tmp_path / "hf", dtype="bf16", max_shard_size="20KB")
