@@ -101,7 +101,7 @@ def _from_shards(src: str) -> nn.Module:
                          "save_model's output")
     config = AutoConfig.from_pretrained(src)
     with torch.device("meta"):
-        model = _model_class(config)._from_config(config)
+        model = _model_class(config)(config)
     if _is_peft(src):
         from peft import PeftConfig, get_peft_model
 
@@ -111,21 +111,15 @@ def _from_shards(src: str) -> nn.Module:
               if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in stored.items()}
     dcp.load({"model": state}, storage_reader=reader, no_dist=True)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if _is_persistent(model, k)]
+    unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
+    if hasattr(model, "tie_weights"):  # a tied weight is stored once: its second name takes it here
+        model.tie_weights()
+    # non-persistent buffers (rotary frequencies) stay on meta: save_pretrained does not write them
+    missing = [name for name, param in model.named_parameters() if param.is_meta]
     if missing or unexpected:
         raise ValueError(f"export: the shards in {os.path.join(src, MODEL_DIR)} do not match {type(model).__name__} "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]}); an unknown layout")
-    # non-persistent buffers (rotary frequencies) stay on meta: save_pretrained does not write them
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
     return model
-
-
-def _is_persistent(model: nn.Module, key: str) -> bool:
-    """False for a tied parameter's second name (written once) - load_state_dict reports it missing."""
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    return key not in tied and not any(key.endswith(f".{k}") for k in tied)
 
 
 def _from_directory(src: str) -> nn.Module:
