@@ -4,7 +4,7 @@
 
 Writes a checkpoint the way a sharded Trainer run does (DCP shards of the model, the config beside them, the
 COMPLETE marker), then runs the command in a child process (`--repeats` times) and reports its resident-memory high
--water mark (the child's ru_maxrss) against the size of the model's tensors, and its wall time.
+-water mark (the child's VmHWM) against the size of the model's tensors, and its wall time.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ def measure(checkpoint: str | None, out: str) -> tuple[float, int]:
     """(seconds, peak RSS bytes) of one export in a fresh process (checkpoint None: the imports alone)."""
     env = {**os.environ, "MINDSPEED_HF_AUTO": "0", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    code = ("import resource, sys, transformers, peft; from mindspeed_hf.trainers.export import export;"
+    # VmHWM: this process's own peak (ru_maxrss would carry the parent's peak over fork + exec)
+    code = ("import sys, transformers, peft; from mindspeed_hf.trainers.export import export;"
             "sys.argv[1] != '-' and export(sys.argv[1], sys.argv[2]);"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+            "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))")
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code, checkpoint or "-", out], env=env, check=True,
                           capture_output=True, text=True)
