@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..parallel.checkpoint import COMPLETE_MARKER
 from .checkpoints import TRAINER_STATE, check_checkpoint, checkpoint_step
 from .fsdp import MODEL_DIR, OPTIMIZER_DIR
 
@@ -31,7 +32,7 @@ __all__ = ["export"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: what a checkpoint holds besides the model's side files: training state, weights, and what save_pretrained writes
-_NOT_COPIED = ("COMPLETE", "rng_state*.pth", "scheduler.pt", "optimizer.pt", "scaler.pt", TRAINER_STATE,
+_NOT_COPIED = (COMPLETE_MARKER, "rng_state*.pth", "scheduler.pt", "optimizer.pt", "scaler.pt", TRAINER_STATE,
                "training_args.bin", "*.safetensors", "*.bin", "*.index.json", "config.json", "generation_config.json",
                "adapter_config.json", "README.md")
 

@@ -1,6 +1,7 @@
 """`mindspeed-hf export` on the checkpoints of real sharded runs: a plain Trainer script (tensor_trainer_worker.py)
 under torchrun with the sizes only from MINDSPEED_HF_CONFIG saves checkpoint-3 and, at the same step, save_model.
-The command's export of checkpoint-3 loads with every tensor equal to save_model's directory: dp_shard=2 (qwen3),
+The command's export of checkpoint-3 loads with every tensor equal to save_model's directory (and, to 1e-5, to the
+same 3 steps of plain Hugging Face in one process): dp_shard=2 (qwen3),
 ep=2 (qwen3_moe, experts in transformers' fused layout), tp=2 (llama), HSDP 2 x 2 (4 ranks), and a LoRA run (the
 adapter equal; merged, equal to PEFT's own merge_and_unload of the saved adapter)."""
 
@@ -45,7 +46,11 @@ def test_export_equals_save_model(tmp_path, name):
                              config=config, nproc=ranks)
     exported = _export(tmp_path / f"{name}.json.dir" / "checkpoint-3", tmp_path / "hf")
     saved = AutoModelForCausalLM.from_pretrained(run["saved"]).state_dict()
-    assert _max_diff(AutoModelForCausalLM.from_pretrained(exported).state_dict(), saved) == 0
+    got = AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    assert _max_diff(got, saved) == 0
+    # and against plain Hugging Face: the same 3 steps in one process, unsharded
+    ref = run_trainer_worker(WORKER, tmp_path, f"reference_{name}", "reference", "--family", family)
+    assert _max_diff(got, ref["params"]) <= 1e-5
 
 
 def test_export_of_a_lora_run(tmp_path):
