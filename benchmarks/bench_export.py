@@ -1,10 +1,12 @@
 """Peak memory and time of `mindspeed-hf export` on a Qwen3-0.6B-shaped sharded checkpoint (random weights).
 
-    python benchmarks/bench_export.py [--dtype bf16] [--layers 28] [--out benchmarks/results/export_cpu.md]
+    python benchmarks/bench_export.py [--dtype bf16] [--layers 28] [--shard-sizes 5GB,300MB]
+                                      [--out benchmarks/results/export_cpu.md]
 
 Writes a checkpoint the way a sharded Trainer run does (DCP shards of the model, the config beside them, the
-COMPLETE marker), then runs the command in a child process (`--repeats` times) and reports its resident-memory high
--water mark (the child's VmHWM) against the size of the model's tensors, and its wall time.
+COMPLETE marker), then runs the export in a child process (`--repeats` times per output file size) and reports its
+resident-memory high-water mark (the child's VmHWM) above the imports, against the model's tensors and against the
+bound the streamed export promises (the largest output file plus the largest tensor), and its wall time.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
-def write_checkpoint(root: str, args) -> tuple[str, int]:
-    """checkpoint-1 of a Qwen3-0.6B-shaped model (its tensors in `args.dtype`); returns (path, tensor bytes)."""
+def write_checkpoint(root: str, args) -> tuple[str, int, int]:
+    """checkpoint-1 of a Qwen3-0.6B-shaped model (its tensors in `args.dtype`); returns (path, tensor bytes, largest
+    tensor's bytes)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -44,20 +47,24 @@ def write_checkpoint(root: str, args) -> tuple[str, int]:
     with open(os.path.join(path, "trainer_state.json"), "w") as f:
         json.dump({"global_step": 1}, f)
     mark_complete(path, global_step=1)
-    size = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())
-    return path, size
+    sizes = [t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values()]
+    return path, sum(sizes), max(sizes)
 
 
-def measure(checkpoint: str | None, out: str) -> tuple[float, int]:
+def largest_file(out: str) -> int:
+    return max(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
+
+
+def measure(checkpoint: str | None, out: str, shard_size: str = "5GB") -> tuple[float, int]:
     """(seconds, peak RSS bytes) of one export in a fresh process (checkpoint None: the imports alone)."""
     env = {**os.environ, "MINDSPEED_HF_AUTO": "0", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     # VmHWM: this process's own peak (ru_maxrss would carry the parent's peak over fork + exec)
     code = ("import sys, transformers, peft; from mindspeed_hf.trainers.export import export;"
-            "sys.argv[1] != '-' and export(sys.argv[1], sys.argv[2]);"
+            "sys.argv[1] != '-' and export(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[3]);"
             "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))")
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code, checkpoint or "-", out], env=env, check=True,
+    proc = subprocess.run([sys.executable, "-c", code, checkpoint or "-", out, shard_size], env=env, check=True,
                           capture_output=True, text=True)
     return time.perf_counter() - start, int(proc.stdout.strip().splitlines()[-1]) * 1024
 
@@ -67,27 +74,31 @@ def main() -> None:
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shard-sizes", default="5GB,300MB", help="output file sizes (max_shard_size), comma-separated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from results_io import emit
 
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint, size = write_checkpoint(tmp, args)
-        runs = [measure(checkpoint, os.path.join(tmp, f"hf{i}")) for i in range(args.repeats)]
-        imports = measure(None, tmp)[1]
     gib = 1 << 30
-    seconds, peaks = [r[0] for r in runs], [r[1] for r in runs]
-    peak = f"{statistics.median(peaks) / gib:.2f} [{min(peaks) / gib:.2f}-{max(peaks) / gib:.2f}]"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint, size, largest = write_checkpoint(tmp, args)
+        imports = measure(None, tmp)[1]
+        for shard_size in args.shard_sizes.split(","):
+            runs = [measure(checkpoint, os.path.join(tmp, f"hf-{shard_size}-{i}"), shard_size)
+                    for i in range(args.repeats)]
+            seconds, peaks = [r[0] for r in runs], [(r[1] - imports) / gib for r in runs]
+            bound = (largest_file(os.path.join(tmp, f"hf-{shard_size}-0")) + largest) / gib
+            rows.append(f"| {shard_size} | {statistics.median(peaks):.2f} [{min(peaks):.2f}-{max(peaks):.2f}] | "
+                        f"{statistics.median(peaks) * gib / size:.2f}x | {bound:.2f} | {statistics.median(seconds):.1f}"
+                        f" [{min(seconds):.1f}-{max(seconds):.1f}] |")
     lines = [f"Qwen3-0.6B shape ({args.layers} layers, hidden 1024, vocabulary 151936, tied embeddings), {args.dtype}, "
-             f"random weights; sharded checkpoint (DCP) exported by `mindspeed_hf.export` in a fresh process, "
-             f"{args.repeats} runs, median [min-max]", "",
-             "| model tensors (GiB) | export peak RSS (GiB) | of which the imports | (peak - imports) / model "
-             "| seconds |",
-             "|---|---|---|---|---|",
-             f"| {size / gib:.2f} | {peak} | {imports / gib:.2f} | {(statistics.median(peaks) - imports) / size:.2f}x"
-             f" | {statistics.median(seconds):.1f} "
-             f"[{min(seconds):.1f}-{max(seconds):.1f}] |"]
+             f"random weights: {size / gib:.2f} GiB of tensors, the largest (the embedding) {largest / gib:.2f} GiB. "
+             f"Sharded checkpoint (DCP) exported by `mindspeed_hf.export` in a fresh process, {args.repeats} runs per "
+             f"output file size, median [min-max]; peak = VmHWM above the imports alone ({imports / gib:.2f} GiB).",
+             "", "| max_shard_size | peak above imports (GiB) | of the model | bound: largest file + largest tensor "
+             "(GiB) | seconds |", "|---|---|---|---|---|", *rows]
     emit("\n".join(lines), args.out)
 
 

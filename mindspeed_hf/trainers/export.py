@@ -2,15 +2,15 @@
 in one CPU process (no torchrun).
 
 A sharded checkpoint (`checkpoint-N/` with `pytorch_model_fsdp_0/`, the DCP shards of any layout: dp_shard, HSDP,
-ep, cp, tp) is read back whole - DCP re-assembles every tensor from its shards, whatever the layout that wrote it -
-into the model rebuilt on the meta device from the config the checkpoint carries (trainers/fsdp.py writes it beside
-the shards), and written with the model's own `save_pretrained`: HF's names and formats (transformers 5 reverts its
-weight conversions there, e.g. fused MoE experts), its shard size. A PEFT run gives the adapter (PEFT's format), or
-with `merge_lora` the merged model (PEFT's `merge_and_unload`). An unsharded directory (Trainer's checkpoint without
-sharding, or `save_model`'s output) is read with `from_pretrained` and written the same way. The processor and
-tokenizer files Trainer saved beside the weights are copied; README.md says where the model came from.
-
-Memory: the whole model once, on the CPU, in the dtype it was saved in (not yet streamed tensor by tensor).
+ep, cp, tp) is streamed (trainers/export_weights.py): the model is rebuilt on the meta device from the config the
+checkpoint carries (trainers/fsdp.py writes it beside the shards) and its tensors are read back from the shards -
+DCP re-assembles each tensor whatever the layout that wrote it - one output file at a time, in save_pretrained's
+names, formats and shard sizes. Peak memory: one output file plus the tensor being read. A PEFT run gives the
+adapter (PEFT's format), or with `merge_lora` the merged model (PEFT's merge of each layer, as merge_and_unload).
+An unsharded directory (Trainer's checkpoint without sharding, or `save_model`'s output) is copied, or, to change
+its dtype or merge its adapter, read with `from_pretrained` and written by `save_pretrained` (the whole model in
+memory). The processor and tokenizer files Trainer saved beside the weights are copied; README.md and export.json
+say where the model came from.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 
 from ..parallel.checkpoint import COMPLETE_MARKER
 from .checkpoints import TRAINER_STATE, check_checkpoint, checkpoint_step
+from .export_weights import plan_weights, write_weights
 from .fsdp import MODEL_DIR, OPTIMIZER_DIR
 
 __all__ = ["export"]
@@ -35,6 +36,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _NOT_COPIED = (COMPLETE_MARKER, "rng_state*.pth", "scheduler.pt", "optimizer.pt", "scaler.pt", TRAINER_STATE,
                "training_args.bin", "*.safetensors", "*.bin", "*.index.json", "config.json", "generation_config.json",
                "adapter_config.json", "README.md")
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.index.json")
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge_lora: bool = False,
@@ -59,14 +61,13 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge_lora:
     sharded = os.path.isdir(os.path.join(src, MODEL_DIR))
     if sharded or os.path.isfile(os.path.join(src, TRAINER_STATE)):  # a Trainer checkpoint: finished and whole?
         src = check_checkpoint(src, sharded=sharded)
-    model = _from_shards(src) if sharded else _from_directory(src)
-    if merge_lora:
-        if not hasattr(model, "merge_and_unload"):
-            raise ValueError(f"export --merge-lora: {src} holds no LoRA adapter (no adapter_config.json)")
-        model = model.merge_and_unload()
-    if dtype is not None:
-        model = model.to(DTYPES[dtype])
-    model.save_pretrained(out, max_shard_size=max_shard_size)
+    if merge_lora and not _is_peft(src):
+        raise ValueError(f"export --merge-lora: {src} holds no LoRA adapter (no adapter_config.json)")
+    dtype_ = DTYPES[dtype] if dtype is not None else None
+    if sharded:
+        _from_shards(src, out, merge_lora, dtype_, max_shard_size)
+    else:
+        _from_directory(src, out, merge_lora, dtype_, max_shard_size)
     _copy_side_files(src, out)
     _say_where_from(src, out, merge_lora)
     return out
@@ -89,9 +90,10 @@ def _is_peft(src: str) -> bool:
     return os.path.isfile(os.path.join(src, "adapter_config.json"))
 
 
-def _from_shards(src: str) -> nn.Module:
-    """The model of a sharded checkpoint: rebuilt on the meta device from its config, its tensors assigned from the
-    DCP shards (every shard layout reads back whole in one process)."""
+def _from_shards(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None, max_shard_size: str) -> None:
+    """A sharded checkpoint: the model rebuilt on the meta device from its config, its tensors read from the DCP
+    shards file by file (every shard layout reads back whole in one process); a PEFT run's adapter, small, is read
+    whole and written by PEFT's save_pretrained."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from transformers import AutoConfig
@@ -107,39 +109,67 @@ def _from_shards(src: str) -> nn.Module:
         from peft import PeftConfig, get_peft_model
 
         model = get_peft_model(model, PeftConfig.from_pretrained(src))
-    reader = dcp.FileSystemReader(os.path.join(src, MODEL_DIR))
-    stored = {key.removeprefix("model."): meta for key, meta in reader.read_metadata().state_dict_metadata.items()
+    shards = os.path.join(src, MODEL_DIR)
+    reader = dcp.FileSystemReader(shards)
+    stored = {key.removeprefix("model."): (meta.size, meta.properties.dtype)
+              for key, meta in reader.read_metadata().state_dict_metadata.items()
               if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in stored.items()}
-    dcp.load({"model": state}, storage_reader=reader, no_dist=True)
-    unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
-    if hasattr(model, "tie_weights"):  # a tied weight is stored once: its second name takes it here
-        model.tie_weights()
-    # non-persistent buffers (rotary frequencies) stay on meta: save_pretrained does not write them
-    missing = [name for name, param in model.named_parameters() if param.is_meta]
+
+    def read(keys: list[str]) -> dict[str, torch.Tensor]:
+        state = {key: torch.empty(stored[key][0], dtype=stored[key][1]) for key in keys}
+        dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+        return state
+
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(stored)), sorted(set(stored) - expected)
     if missing or unexpected:
-        raise ValueError(f"export: the shards in {os.path.join(src, MODEL_DIR)} do not match {type(model).__name__} "
-                         f"(missing {missing[:3]}, unexpected {unexpected[:3]}); an unknown layout")
-    return model
+        raise ValueError(f"export: the shards in {shards} do not match {type(model).__name__} (missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]}); an unknown layout")
+    os.makedirs(out, exist_ok=True)
+    if _is_peft(src):  # the adapters (what the run trained) are small: read whole, into the meta-built model
+        trained = [name for name, param in model.named_parameters() if param.requires_grad]
+        model.load_state_dict(read(trained), strict=False, assign=True)
+        if not merge_lora:
+            (model.to(dtype) if dtype is not None else model).save_pretrained(out)
+            return
+    plan = plan_weights(model, merge_lora)
+    written = write_weights(plan, read, out, stored, dtype, max_shard_size)
+    config.dtype = str(written).removeprefix("torch.")  # as save_pretrained records the weights' dtype
+    config.architectures = [type(plan.model).__name__]
+    config.save_pretrained(out)
+    generation = os.path.join(src, "generation_config.json")
+    if os.path.isfile(generation):
+        shutil.copy2(generation, os.path.join(out, "generation_config.json"))
 
 
-def _from_directory(src: str) -> nn.Module:
-    """An unsharded checkpoint or save_model directory, read with from_pretrained (PEFT: PeftModel on its base)."""
+def _from_directory(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None, max_shard_size: str) -> None:
+    """An unsharded checkpoint or save_model directory: copied when nothing changes; otherwise read with
+    from_pretrained (PEFT: PeftModel on its base) and written by save_pretrained - the whole model in memory."""
     from transformers import AutoConfig
 
+    weights = [f for f in os.listdir(src) if any(fnmatch.fnmatch(f, p) for p in _WEIGHT_FILES)]
     if _is_peft(src):
         from peft import PeftConfig, PeftModel
 
         base = PeftConfig.from_pretrained(src).base_model_name_or_path
         if not base:
             raise ValueError(f"export: {src}/adapter_config.json names no base model (base_model_name_or_path)")
-        return PeftModel.from_pretrained(_model_class(AutoConfig.from_pretrained(base)).from_pretrained(base), src)
-    weights = [f for f in os.listdir(src) if fnmatch.fnmatch(f, "*.safetensors") or fnmatch.fnmatch(f, "*.bin")]
-    if not os.path.isfile(os.path.join(src, "config.json")) or not weights:
+        model = PeftModel.from_pretrained(_model_class(AutoConfig.from_pretrained(base)).from_pretrained(base), src)
+        if merge_lora:
+            model = model.merge_and_unload()
+    elif not os.path.isfile(os.path.join(src, "config.json")) or not weights:
         found = ", ".join(sorted(os.listdir(src))[:8]) or "nothing"
         raise ValueError(f"export: {src} holds no model (looked for {MODEL_DIR}/, config.json with model weights, "
                          f"adapter_config.json); found: {found}")
-    return _model_class(AutoConfig.from_pretrained(src)).from_pretrained(src)
+    elif dtype is None:  # already a Hugging Face directory: its files as they are
+        os.makedirs(out, exist_ok=True)
+        for name in [*weights, "config.json", "generation_config.json"]:
+            if os.path.isfile(os.path.join(src, name)):
+                shutil.copy2(os.path.join(src, name), os.path.join(out, name))
+        return
+    else:
+        model = _model_class(AutoConfig.from_pretrained(src)).from_pretrained(src)
+    (model.to(dtype) if dtype is not None else model).save_pretrained(out, max_shard_size=max_shard_size)
 
 
 def _copy_side_files(src: str, out: str) -> None:

@@ -35,6 +35,17 @@ def _checkpoint(root, model, step: int = 4, complete: bool = True) -> str:
     return path
 
 
+def _saved_keys(directory) -> set[str]:
+    from safetensors import safe_open
+
+    keys = set()
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, name), "pt") as f:
+                keys.update(f.keys())
+    return keys
+
+
 def _max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())[:5]
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
@@ -46,9 +57,14 @@ def test_export_of_a_sharded_checkpoint_loads_equal(tmp_path, family):
     with torch.no_grad():  # not the initial weights: the export must read them from the shards
         for p in model.parameters():
             p.add_(0.01)
-    out = mindspeed_hf.export(_checkpoint(tmp_path, model), tmp_path / "hf")
+    out = mindspeed_hf.export(_checkpoint(tmp_path, model), tmp_path / "hf", max_shard_size="50KB")
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert _max_diff(loaded.state_dict(), model.state_dict()) == 0
+    # streamed file by file, in save_pretrained's names (transformers 5: MoE experts one tensor per expert again)
+    model.save_pretrained(tmp_path / "ref", max_shard_size="50KB")
+    assert _saved_keys(out) == _saved_keys(tmp_path / "ref")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == _saved_keys(out) and len(set(index["weight_map"].values())) > 2
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text()) == {"model_max_length": 64}
     assert "(step 4)" in (tmp_path / "hf" / "README.md").read_text()
     assert not (tmp_path / "hf" / "trainer_state.json").exists()
@@ -84,9 +100,22 @@ def test_lora_run_gives_the_adapter_or_the_merged_model(tmp_path):
     reloaded = PeftModel.from_pretrained(tiny_model("qwen3"), adapter)
     lora = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
     assert _max_diff({k: v for k, v in reloaded.state_dict().items() if "lora_" in k}, lora) == 0
-    merged = mindspeed_hf.export(checkpoint, tmp_path / "merged", merge_lora=True)
+    merged = mindspeed_hf.export(checkpoint, tmp_path / "merged", merge_lora=True, max_shard_size="30KB")
     want = PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
     assert _max_diff(AutoModelForCausalLM.from_pretrained(merged).state_dict(), want) == 0
+    assert (tmp_path / "merged" / "model.safetensors.index.json").exists()  # merged file by file
+
+
+def test_an_unsharded_directory_is_copied_or_converted(tmp_path):
+    model = tiny_model("qwen3")
+    model.save_pretrained(tmp_path / "saved")
+    copied = mindspeed_hf.export(tmp_path / "saved", tmp_path / "copy")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "copy" / name).read_bytes() == (tmp_path / "saved" / name).read_bytes()
+    assert _max_diff(AutoModelForCausalLM.from_pretrained(copied).state_dict(), model.state_dict()) == 0
+    half = mindspeed_hf.export(tmp_path / "saved", tmp_path / "half", dtype="fp16")
+    loaded = AutoModelForCausalLM.from_pretrained(half, dtype=torch.float16)
+    assert _max_diff(loaded.state_dict(), model.to(torch.float16).state_dict()) == 0
 
 
 def test_refusals_are_one_line_naming_the_file(tmp_path, capsys):
