@@ -31,9 +31,10 @@ commands:
         then one counted step of each (aten ops, torch_npu calls, saved bytes, largest tensor); --profile: a
         chrome trace of a few accelerated steps and the top operators; --plot: a chart (needs the [plot] extra);
         --memory: the memory report of the run instead
-  export CHECKPOINT OUT [--merge-lora] [--dtype bf16|fp16|fp32] [--shard-size 5GB]
+  export CHECKPOINT OUT [--merge-lora] [--dtype bf16|fp16|fp32] [--shard-size 5GB] [--push-to-hub ID]
         a checkpoint of any layout (sharded DCP or not; a PEFT run: its adapter, or with --merge-lora the merged
-        model) as a Hugging Face directory, in one CPU process
+        model) as a Hugging Face directory, in one CPU process, streamed one output file at a time; --push-to-hub
+        uploads it to that Hub repository
 """
 
 
@@ -277,6 +278,7 @@ def cmd_export(argv: list[str]) -> int:
     parser.add_argument("--merge-lora", action="store_true", help="a LoRA run: write the merged full model")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: as saved")
     parser.add_argument("--shard-size", default="5GB", help="the largest safetensors file (default 5GB)")
+    parser.add_argument("--push-to-hub", metavar="ID", default=None, help="upload the directory to this Hub repository")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     own = parser.parse_args(argv)
 
@@ -284,8 +286,8 @@ def cmd_export(argv: list[str]) -> int:
         from ..trainers.export import export
 
         out = export(own.checkpoint, own.out, merge_lora=own.merge_lora, dtype=own.dtype,
-                     max_shard_size=own.shard_size)
-        print(f"mindspeed-hf export: wrote {out}")
+                     max_shard_size=own.shard_size, push_to_hub=own.push_to_hub)
+        print(f"mindspeed-hf export: wrote {out}" + (f", uploaded to {own.push_to_hub}" if own.push_to_hub else ""))
         return 0
 
     return _one_line_errors("export", own.debug, run)

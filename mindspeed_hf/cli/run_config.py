@@ -1,8 +1,8 @@
 """The YAML run description of `mindspeed-hf train`, in the spirit of MindSpeed-MM's run files.
 
 Sections: `model` (a config to build from scratch, or a local model directory / hub id, plus the tokenizer), `data`
-(JSONL prompt/completion files, max length, packing), `parallel` and `features` (the accelerator config:
-mindspeed_hf.config), `training` (any transformers.TrainingArguments key), `evaluation` (the before/after
+(JSONL prompt/completion files, max length, packing), `parallel`, `features` and `checkpoints` (the accelerator
+config: mindspeed_hf.config), `training` (any transformers.TrainingArguments key), `evaluation` (the before/after
 quality check) and `runtime` (process settings). Everything is checked here, before any model is built:
 unknown keys name the key and the valid ones, and missing files name the setting that points at them.
 
@@ -81,7 +81,7 @@ class RunConfig:
     source: str = "<dict>"
 
 
-SECTIONS = ("model", "data", "parallel", "features", "training", "evaluation", "runtime")
+SECTIONS = ("model", "data", "parallel", "features", "checkpoints", "training", "evaluation", "runtime")
 # `features` is flat, MindSpeed-MM style: the backend, every kernel switch and every memory feature.
 FEATURE_KEYS = ("backend", *(f.name for f in dataclasses.fields(KernelConfig)),
                 *(f.name for f in dataclasses.fields(MemoryConfig)))
@@ -240,8 +240,9 @@ def _validate_runtime(spec: RuntimeSpec) -> RuntimeSpec:
     return spec
 
 
-def mindspeed_config_from_sections(parallel: Any, features: Any) -> MindSpeedConfig:
-    """Map the flat `features` section and the `parallel` section onto one validated MindSpeedConfig."""
+def mindspeed_config_from_sections(parallel: Any, features: Any, checkpoints: Any = None) -> MindSpeedConfig:
+    """Map the flat `features` section, the `parallel` and `checkpoints` sections onto one validated
+    MindSpeedConfig."""
     features = _check_keys("features", features, FEATURE_KEYS)
     parallel = _check_keys("parallel", parallel, [f.name for f in dataclasses.fields(ParallelConfig)])
     kernel_keys = {f.name for f in dataclasses.fields(KernelConfig)}
@@ -249,6 +250,7 @@ def mindspeed_config_from_sections(parallel: Any, features: Any) -> MindSpeedCon
         "kernels": {k: v for k, v in features.items() if k in kernel_keys},
         "memory": {k: v for k, v in features.items() if k not in kernel_keys and k != "backend"},
         "parallel": parallel,
+        "checkpoints": checkpoints or {},
     }
     if "backend" in features:
         data["backend"] = features["backend"]
@@ -266,7 +268,8 @@ def parse_run_config(data: dict[str, Any], base: Path, source: str = "<dict>") -
     return RunConfig(
         model=_validate_model(_spec("model", ModelSpec, data.get("model")), base),
         data=_validate_data(_spec("data", DataSpec, data.get("data")), base),
-        mindspeed=mindspeed_config_from_sections(data.get("parallel"), data.get("features")),
+        mindspeed=mindspeed_config_from_sections(data.get("parallel"), data.get("features"),
+                                                 data.get("checkpoints")),
         training=training,
         evaluation=_spec("evaluation", EvalSpec, data.get("evaluation")),
         runtime=_validate_runtime(_spec("runtime", RuntimeSpec, data.get("runtime"))),

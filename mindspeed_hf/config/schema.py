@@ -1,8 +1,8 @@
 """The accelerator's settings, declared once: one dataclass per group (kernels, parallel, memory), each field with
 its default, its value kind (mindspeed_hf.value_kinds) and its help text.
 
-Everything else is derived from these declarations: the YAML schema (sections `kernels` / `parallel` / `memory`
-plus `backend`), the training arguments (`mindspeed_<key>`), the environment variables
+Everything else is derived from these declarations: the YAML schema (sections `kernels` / `parallel` / `memory` /
+`checkpoints` plus `backend`), the training arguments (`mindspeed_<key>`), the environment variables
 (`MINDSPEED_HF_<SECTION>_<KEY>`, `MINDSPEED_HF_BACKEND`) and the one validation: every value goes through its kind,
 whichever source gave it, when a config is built (`__post_init__`), and a config builds only if it is valid.
 """
@@ -173,6 +173,18 @@ class MemoryConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """What happens to each checkpoint a Trainer run saves, besides Trainer's own writing."""
+
+    export_hf: bool = _declare(False, boolean(), "export every saved checkpoint as a Hugging Face model directory "
+                               "(`mindspeed-hf export`) to OUTPUT_DIR/hf/checkpoint-N, in a background process on "
+                               "the main rank while training goes on")
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "checkpoints")
+
+
+@dataclass
 class MindSpeedConfig:
     """The whole accelerator configuration."""
 
@@ -181,6 +193,7 @@ class MindSpeedConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         _check_fields(self, None)
@@ -189,7 +202,8 @@ class MindSpeedConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS: dict[str, type] = {"kernels": KernelConfig, "parallel": ParallelConfig, "memory": MemoryConfig}
+SECTIONS: dict[str, type] = {"kernels": KernelConfig, "parallel": ParallelConfig, "memory": MemoryConfig,
+                             "checkpoints": CheckpointConfig}
 
 
 # ---------------------------------------------------------------------------------------------- the settings
@@ -279,5 +293,6 @@ def build(flat: Mapping[str, Any]) -> MindSpeedConfig:
 
 
 def config_from_dict(data: Mapping[str, Any] | None) -> MindSpeedConfig:
-    """Build and validate a MindSpeedConfig from nested dicts ({backend, kernels: {...}, parallel, memory})."""
+    """Build and validate a MindSpeedConfig from nested dicts ({backend, kernels: {...}, parallel, memory,
+    checkpoints})."""
     return build(flatten(data))

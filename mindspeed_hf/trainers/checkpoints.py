@@ -10,7 +10,9 @@ it (never instead of it):
 - rotation: Trainer's own rotation (`rotate_checkpoints`, 4.57: `_rotate_checkpoints`) is held back during the
   save and run after the marker, so `save_total_limit` can never delete the last complete checkpoint before the new
   one is published. Unmarked saves of a killed run numbered past the current step go first (they would be written
-  over anyway), so they never count as "the most recent checkpoint" that rotation keeps.
+  over anyway), so they never count as "the most recent checkpoint" that rotation keeps;
+- exporting (`checkpoints.export_hf`): once published, the checkpoint is exported as a Hugging Face directory in the
+  background (trainers/export_background.py).
 
 Resume (`resume_from_checkpoint=True`) takes the newest complete checkpoint whose files can be read: directories
 without the marker are skipped with a line saying so, and a complete one with a truncated file (weights,
@@ -34,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..parallel.checkpoint import COMPLETE_MARKER, _barrier, _rank, is_complete_checkpoint, mark_complete, unmark
+from . import export_background
 from .run import run_of
 
 __all__ = ["CheckpointError", "begin_checkpoint_dir", "checkpoint_step", "newest_resumable", "resolve_resume",
@@ -310,6 +313,9 @@ def save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any)
     _barrier()
     if _rank() == 0 and written:
         mark_complete(written, global_step=trainer.state.global_step)
+        if run.config.checkpoints.export_hf:  # the previous export first: rotation may remove its checkpoint next
+            export_background.finish(run.export)
+            run.export = export_background.start(written)
     _barrier()
     if held and written and trainer.args.save_total_limit:
         _drop_stale_saves(os.path.dirname(os.path.normpath(written)), trainer.state.global_step)

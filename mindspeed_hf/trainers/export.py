@@ -40,7 +40,7 @@ _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.index.json")
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge_lora: bool = False,
-           dtype: str | None = None, max_shard_size: str = "5GB") -> str:
+           dtype: str | None = None, max_shard_size: str = "5GB", push_to_hub: str | None = None) -> str:
     """Write the model of `checkpoint` to `out` as a Hugging Face directory; returns `out`.
 
     Args:
@@ -49,13 +49,18 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge_lora:
         merge_lora: for a PEFT LoRA run, write the merged full model instead of the adapter.
         dtype: `bf16`, `fp16` or `fp32` (default: as saved).
         max_shard_size: the largest safetensors file (`save_pretrained`'s setting).
+        push_to_hub: a Hub repository id (`user/name`): the written directory is uploaded there (the repository
+            is created if needed; the token is huggingface_hub's: HF_TOKEN or `hf auth login`).
 
     Raises ValueError (one line naming the file or the setting) for an incomplete or truncated checkpoint, a
-    directory that holds no model, `merge_lora` without an adapter, or an unknown dtype.
+    directory that holds no model, `merge_lora` without an adapter, an unknown dtype or an invalid repository id,
+    before anything is written.
     """
     src, out = os.path.normpath(str(checkpoint)), os.path.normpath(str(out))
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"export: unknown dtype {dtype!r}; valid choices: {', '.join(DTYPES)}")
+    if push_to_hub is not None:
+        _check_repo_id(push_to_hub)
     if os.path.abspath(src) == os.path.abspath(out):
         raise ValueError(f"export: the output directory {out} is the checkpoint itself; choose another")
     sharded = os.path.isdir(os.path.join(src, MODEL_DIR))
@@ -70,7 +75,29 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge_lora:
         _from_directory(src, out, merge_lora, dtype_, max_shard_size)
     _copy_side_files(src, out)
     _say_where_from(src, out, merge_lora)
+    if push_to_hub is not None:
+        _push(out, push_to_hub, src)
     return out
+
+
+def _check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ValueError(f"export --push-to-hub: {repo_id!r} is not a Hub repository id ("
+                         f"{str(e).splitlines()[0]}); valid choices: `name` or `user/name`") from None
+
+
+def _push(out: str, repo_id: str, src: str) -> None:
+    """Upload the written directory to the Hub repository `repo_id` (created when missing), one commit."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, exist_ok=True)
+    api.upload_folder(repo_id=repo_id, folder_path=out,
+                      commit_message=f"mindspeed-hf export of {os.path.basename(os.path.abspath(src))}")
 
 
 def _model_class(config: Any) -> type[nn.Module]:
@@ -143,12 +170,24 @@ def _from_shards(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None
 
 
 def _from_directory(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None, max_shard_size: str) -> None:
-    """An unsharded checkpoint or save_model directory: copied when nothing changes; otherwise read with
-    from_pretrained (PEFT: PeftModel on its base) and written by save_pretrained - the whole model in memory."""
+    """An unsharded checkpoint or save_model directory (a model, or a PEFT adapter): its files copied when nothing
+    changes; otherwise read with from_pretrained (PEFT: PeftModel on its base model) and written by
+    save_pretrained - the whole model in memory."""
     from transformers import AutoConfig
 
+    peft = _is_peft(src)
     weights = [f for f in os.listdir(src) if any(fnmatch.fnmatch(f, p) for p in _WEIGHT_FILES)]
-    if _is_peft(src):
+    if not weights or not (peft or os.path.isfile(os.path.join(src, "config.json"))):
+        found = ", ".join(sorted(os.listdir(src))[:8]) or "nothing"
+        raise ValueError(f"export: {src} holds no model (looked for {MODEL_DIR}/, config.json with model weights, "
+                         f"adapter_config.json with adapter weights); found: {found}")
+    if dtype is None and not merge_lora:  # already a Hugging Face directory: its files as they are
+        os.makedirs(out, exist_ok=True)
+        for name in [*weights, "config.json", "generation_config.json", "adapter_config.json"]:
+            if os.path.isfile(os.path.join(src, name)):
+                shutil.copy2(os.path.join(src, name), os.path.join(out, name))
+        return
+    if peft:
         from peft import PeftConfig, PeftModel
 
         base = PeftConfig.from_pretrained(src).base_model_name_or_path
@@ -157,16 +196,6 @@ def _from_directory(src: str, out: str, merge_lora: bool, dtype: torch.dtype | N
         model = PeftModel.from_pretrained(_model_class(AutoConfig.from_pretrained(base)).from_pretrained(base), src)
         if merge_lora:
             model = model.merge_and_unload()
-    elif not os.path.isfile(os.path.join(src, "config.json")) or not weights:
-        found = ", ".join(sorted(os.listdir(src))[:8]) or "nothing"
-        raise ValueError(f"export: {src} holds no model (looked for {MODEL_DIR}/, config.json with model weights, "
-                         f"adapter_config.json); found: {found}")
-    elif dtype is None:  # already a Hugging Face directory: its files as they are
-        os.makedirs(out, exist_ok=True)
-        for name in [*weights, "config.json", "generation_config.json"]:
-            if os.path.isfile(os.path.join(src, name)):
-                shutil.copy2(os.path.join(src, name), os.path.join(out, name))
-        return
     else:
         model = _model_class(AutoConfig.from_pretrained(src)).from_pretrained(src)
     (model.to(dtype) if dtype is not None else model).save_pretrained(out, max_shard_size=max_shard_size)

@@ -21,7 +21,7 @@ from torch import nn
 from ..memory.recompute import absorb_hf_checkpointing
 from ..parallel.parallelize import ParallelizeOptions, parallelize
 from ..patches import apply, scope
-from . import deepspeed, frameworks, fsdp, seams
+from . import deepspeed, export_background, frameworks, fsdp, seams
 from .fsdp_plan import release_ddp_notice
 from .run import Run, attach, resolve_config, run_of
 
@@ -104,9 +104,13 @@ def after_init(trainer: Any) -> None:
 @contextlib.contextmanager
 def during_train(trainer: Any) -> Iterator[None]:
     """Around Trainer.train: Liger's patching kept off a model we accelerate; afterwards, one warning for each
-    patched kernel that never ran."""
+    patched kernel that never ran, and the last checkpoint's background export waited for."""
     with _liger_guard(trainer), _watch_kernels(trainer):
         yield
+    run = run_of(trainer)
+    if run is not None and run.export is not None:
+        export_background.finish(run.export)
+        run.export = None
 
 
 @contextlib.contextmanager

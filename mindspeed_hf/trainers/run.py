@@ -2,9 +2,9 @@
 
 A `Run` is created once, when the trainer's `__init__` starts (trainers/lifecycle.py), and kept on the trainer
 as `_mindspeed_run`, the only attribute mindspeed_hf sets on a Trainer. It holds the trainer's resolved config,
-its parallel plan (config -> plan), the mesh once `parallelize` built it, what the kernels did to the model, and
-the checkpoint being written. Every other module of the trainer floor reads it through `run_of(trainer)`;
-nothing is passed along in loose trainer attributes.
+its parallel plan (config -> plan), the mesh once `parallelize` built it, what the kernels did to the model, the
+checkpoint being written and the background export of the last one saved. Every other module of the trainer floor
+reads it through `run_of(trainer)`; nothing is passed along in loose trainer attributes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from ..config import MindSpeedConfig, ResolvedConfig, resolve_for
 from ..parallel.dims import ParallelDims
 from ..parallel.plan import ParallelPlan
 from ..patches import apply
+from .export_background import BackgroundExport
 
 __all__ = ["Run", "resolve_config", "run_of"]
 
@@ -36,6 +37,8 @@ class Run:
         "help": "report() of the model as prepared (None before a model was given)"})
     checkpoint_dir: str | None | bool = field(default=False, metadata={
         "help": "inside Trainer's checkpoint save: None until save_model names the directory, then it; else False"})
+    export: BackgroundExport | None = field(default=None, metadata={
+        "help": "the background export of the last checkpoint saved (checkpoints.export_hf), until waited for"})
 
     @property
     def config(self) -> MindSpeedConfig:

@@ -143,3 +143,58 @@ def test_the_command_exports(tmp_path, capsys):
     assert command(["export", _checkpoint(tmp_path, model), str(tmp_path / "hf")]) == 0
     assert "wrote" in capsys.readouterr().out
     assert _max_diff(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict(), model.state_dict()) == 0
+
+
+def test_push_to_hub_uploads_the_written_directory(tmp_path, monkeypatch):
+    """The Hub is not reachable here: huggingface_hub's two calls are recorded, with what the directory held then."""
+    from huggingface_hub import HfApi
+
+    calls = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.append(
+        ("upload", kw["repo_id"], sorted(os.listdir(kw["folder_path"])))))
+    checkpoint = _checkpoint(tmp_path, tiny_model("llama"))
+    with pytest.raises(ValueError, match="not a Hub repository id"):  # before anything is written
+        mindspeed_hf.export(checkpoint, tmp_path / "bad", push_to_hub="me/bad id!")
+    assert not (tmp_path / "bad").exists() and not calls
+    out = mindspeed_hf.export(checkpoint, tmp_path / "hf", push_to_hub="me/tiny")
+    assert calls[0] == ("create", "me/tiny", {"exist_ok": True})
+    assert calls[1] == ("upload", "me/tiny", sorted(os.listdir(out)))
+    assert {"model.safetensors", "config.json", "README.md", "tokenizer_config.json"} <= set(calls[1][2])
+
+
+def _train(tmp_path, **kw):
+    from transformers import Trainer, TrainingArguments
+
+    rows = torch.randint(1, 100, (16, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    model = tiny_model("qwen3")
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=4,
+                             save_steps=2, report_to="none", disable_tqdm=True, use_cpu=True, **kw)
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows])
+    trainer.train()
+    return model
+
+
+def test_every_checkpoint_is_exported_in_the_background(tmp_path, monkeypatch, restore_wiring):
+    monkeypatch.setenv("MINDSPEED_HF_CHECKPOINTS_EXPORT_HF", "1")
+    mindspeed_hf.enable()
+    model = _train(tmp_path, save_total_limit=1)  # rotation removes checkpoint-2, not its export
+    for step in (2, 4):
+        checkpoint, exported = tmp_path / "run" / f"checkpoint-{step}", tmp_path / "run" / "hf" / f"checkpoint-{step}"
+        assert json.loads((exported / "export.json").read_text())["step"] == step
+        assert not (tmp_path / "run" / "hf" / f"checkpoint-{step}.log").exists()  # removed when it succeeded
+    assert not checkpoint.with_name("checkpoint-2").exists()
+    assert _max_diff(AutoModelForCausalLM.from_pretrained(exported).state_dict(), model.state_dict()) == 0
+
+
+def test_a_failed_background_export_is_one_warning(tmp_path, monkeypatch, restore_wiring, caplog):
+    from mindspeed_hf.trainers import export_background
+
+    monkeypatch.setenv("MINDSPEED_HF_CHECKPOINTS_EXPORT_HF", "1")
+    monkeypatch.setattr(export_background.sys, "executable", "false")  # every export process fails
+    mindspeed_hf.enable()
+    with caplog.at_level("WARNING", logger="mindspeed_hf"):
+        _train(tmp_path)
+    failed = [r.getMessage() for r in caplog.records if "export_hf: exporting" in r.getMessage()]
+    assert len(failed) == 2 and "checkpoint-4.log" in failed[-1], failed
+    assert (tmp_path / "run" / "checkpoint-4" / "trainer_state.json").exists()  # the run went on

@@ -57,6 +57,7 @@ def test_default_run_config_is_valid():
     (lambda d: d["evaluation"].update(n=1), "unknown key evaluation.n; valid keys: evaluation.enabled"),
     (lambda d: d["features"].update(backend="tpu"), "backend='tpu' is not valid"),
     (lambda d: d["parallel"].update(cp=0), "parallel.cp=0 must be >= 1"),
+    (lambda d: d.update(checkpoints={"export": True}), "key checkpoints.export (did you mean checkpoints.export_hf?)"),
     (lambda d: d["model"].update(name_or_path="x"), "exactly one of model.config"),
     (lambda d: d["model"].update(dtype="float8"), "model.dtype='float8' is not valid"),
     (lambda d: d["training"].update(max_steps="lots"), "training.max_steps='lots' must be an integer"),
@@ -97,8 +98,10 @@ def test_features_map_onto_config(tmp_path):
     def mutate(d):
         d["features"] = {"backend": "torch", "rope": False, "loss_chunk_size": 128, "recompute": True}
         d["parallel"] = {"dp_shard": 2, "cpu_offload": True}
+        d["checkpoints"] = {"export_hf": True}
 
     config = run_config.load_run_config(_write(tmp_path, mutate)).mindspeed
+    assert config.checkpoints.export_hf is True
     assert config.backend == "torch" and config.kernels.rope is False and config.kernels.swiglu is True
     assert config.kernels.loss_chunk_size == 128 and config.memory.recompute is True
     assert config.parallel.dp_shard == 2 and config.parallel.cpu_offload is True
