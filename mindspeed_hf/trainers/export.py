@@ -130,6 +130,12 @@ def _from_shards(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None
                          "model's config beside its shards); valid choices: a checkpoint of this release, or "
                          "save_model's output")
     config = AutoConfig.from_pretrained(src)
+    quantized = getattr(config, "quantization_config", None)
+    if quantized is not None and (merge_lora or not _is_peft(src)):
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+        raise ValueError(f"export: the base model of {src} is quantized ({method}); valid choices: its LoRA adapter "
+                         "(without --merge-lora), merged afterwards onto the full-precision base with PEFT's "
+                         "merge_and_unload")
     with torch.device("meta"):
         model = _model_class(config)(config)
     if _is_peft(src):
@@ -147,14 +153,16 @@ def _from_shards(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None
         dcp.load({"model": state}, storage_reader=reader, no_dist=True)
         return state
 
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(stored)), sorted(set(stored) - expected)
+    trained = [name for name, param in model.named_parameters() if param.requires_grad] if _is_peft(src) else []
+    # a quantized base (QLoRA) is stored packed, with its quantization state: only the adapters are read from it
+    expected = set(trained) if quantized else set(model.state_dict())
+    missing = sorted(expected - set(stored))
+    unexpected = [] if quantized else sorted(set(stored) - expected)
     if missing or unexpected:
         raise ValueError(f"export: the shards in {shards} do not match {type(model).__name__} (missing "
                          f"{missing[:3]}, unexpected {unexpected[:3]}); an unknown layout")
     os.makedirs(out, exist_ok=True)
-    if _is_peft(src):  # the adapters (what the run trained) are small: read whole, into the meta-built model
-        trained = [name for name, param in model.named_parameters() if param.requires_grad]
+    if trained:  # the adapters (what the run trained) are small: read whole, into the meta-built model
         model.load_state_dict(read(trained), strict=False, assign=True)
         if not merge_lora:
             (model.to(dtype) if dtype is not None else model).save_pretrained(out)

@@ -198,3 +198,20 @@ def test_a_failed_background_export_is_one_warning(tmp_path, monkeypatch, restor
     failed = [r.getMessage() for r in caplog.records if "export_hf: exporting" in r.getMessage()]
     assert len(failed) == 2 and "checkpoint-4.log" in failed[-1], failed
     assert (tmp_path / "run" / "checkpoint-4" / "trainer_state.json").exists()  # the run went on
+
+
+def test_a_qlora_run_exports_its_adapter(tmp_path):
+    """The 4-bit base is stored packed with its quantization state: the adapter equals PEFT's own save of it; a
+    merge onto the quantized base is refused naming the way that works."""
+    pytest.importorskip("bitsandbytes")
+    from qlora_models import qlora_model, save_base
+    from safetensors.torch import load_file
+
+    model = qlora_model(save_base(tmp_path / "base"))
+    checkpoint = _checkpoint(tmp_path, model)
+    adapter = mindspeed_hf.export(checkpoint, tmp_path / "adapter")
+    model.save_pretrained(tmp_path / "peft")
+    name = "adapter_model.safetensors"
+    assert _max_diff(load_file(os.path.join(adapter, name)), load_file(tmp_path / "peft" / name)) == 0
+    with pytest.raises(ValueError, match="is quantized .bitsandbytes.; valid choices: its LoRA adapter"):
+        mindspeed_hf.export(checkpoint, tmp_path / "merged", merge_lora=True)
