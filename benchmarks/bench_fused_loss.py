@@ -10,7 +10,10 @@ subprocess (MINDSPEED_HF_AUTO=0 in both):
 Peak memory is the subprocess's resident-set high-water mark (ru_maxrss), so it includes the interpreter, torch,
 weights, gradients and AdamW state; step time is the median of the steps after the first.
 
-    python benchmarks/bench_fused_loss.py [--repeats 2] [--sweep 128,256,512,1024] [--out results.md]
+    python benchmarks/bench_fused_loss.py [--repeats 2] [--sweep 128,256,512,1024] [--loop] [--out results.md]
+
+--loop: a custom training loop (`model(**batch).loss.backward()`, the same AdamW steps) instead of Trainer: outside
+Trainer nothing marks the forward, and the logits are made on first read (never, here).
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "fused_loss_cpu.md"
+LOOP_RESULT = ROOT / "benchmarks" / "results" / "fused_loss_loop_cpu.md"
 SHAPE = dict(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False)
 BATCH, SEQ, STEPS = 2, 1024, 3
 
 
-def worker(variant: str, chunk: int, threads: int) -> dict:
-    """One measured run in this process, through transformers.Trainer; returns its numbers."""
+def worker(variant: str, chunk: int, threads: int, loop: bool = False) -> dict:
+    """One measured run in this process, through transformers.Trainer (`loop`: a custom training loop, the same
+    AdamW steps); returns its numbers."""
     import tempfile
 
     import torch
@@ -63,6 +68,26 @@ def worker(variant: str, chunk: int, threads: int) -> dict:
             times.append(time.perf_counter() - start)
             return loss
 
+    if loop:  # `model(**batch).loss.backward()`: nothing reads the logits, nothing marks the forward for us
+        import torch.utils.data
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, collate_fn=lambda b: {
+            k: torch.tensor([r[k] for r in b]) for k in b[0]})
+        rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        model.train()
+        for batch in loader:
+            start = time.perf_counter()
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            times.append(time.perf_counter() - start)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {"variant": variant, "chunk": chunk, "threads": torch.get_num_threads(), "losses": losses,
+                "times": times, "peak_bytes": peak * 1024, "init_bytes": rss_init * 1024}
+
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-4,
                                  lr_scheduler_type="constant", weight_decay=0.01, report_to="none", save_strategy="no",
@@ -77,10 +102,11 @@ def worker(variant: str, chunk: int, threads: int) -> dict:
             "times": times, "peak_bytes": peak * 1024, "init_bytes": rss_init * 1024}
 
 
-def run_worker(variant: str, chunk: int, threads: int) -> dict:
+def run_worker(variant: str, chunk: int, threads: int, loop: bool = False) -> dict:
     path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     env = {**os.environ, "MINDSPEED_HF_AUTO": "0", "PYTHONPATH": path}
-    cmd = [sys.executable, __file__, "--worker", variant, "--chunk", str(chunk), "--threads", str(threads)]
+    cmd = [sys.executable, __file__, "--worker", variant, "--chunk", str(chunk), "--threads", str(threads),
+           *(["--loop"] if loop else [])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} worker failed:\n{done.stderr[-4000:]}")
@@ -127,16 +153,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = torch's default)")
     parser.add_argument("--repeats", type=int, default=2, help="plain/fused pairs, run alternately")
     parser.add_argument("--sweep", default="", help="comma-separated chunk sizes to time as extra fused runs")
-    parser.add_argument("--out", default=str(RESULT))
+    parser.add_argument("--loop", action="store_true", help="a custom training loop instead of Trainer")
+    parser.add_argument("--out", default=None, help=f"default {RESULT} ({LOOP_RESULT} with --loop)")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.chunk, args.threads)))
+        print(json.dumps(worker(args.worker, args.chunk, args.threads, args.loop)))
         return
+    args.out = args.out or str(LOOP_RESULT if args.loop else RESULT)
 
     plain, fused = [], []
     for _ in range(args.repeats):  # alternate so that load from other processes hits both alike
-        plain.append(run_worker("plain", 0, args.threads))
-        fused.append(run_worker("fused", args.chunk, args.threads))
+        plain.append(run_worker("plain", 0, args.threads, args.loop))
+        fused.append(run_worker("fused", args.chunk, args.threads, args.loop))
     for run in plain[1:] + fused[1:]:
         assert run["losses"] == (plain if run["variant"] == "plain" else fused)[0]["losses"], "not deterministic"
     text = table(plain, fused)
@@ -151,7 +179,8 @@ def main() -> None:
         f"Qwen3 architecture: {SHAPE['num_hidden_layers']} layers, vocab {SHAPE['vocab_size']}, hidden "
         f"{SHAPE['hidden_size']}, intermediate {SHAPE['intermediate_size']}, {SHAPE['num_attention_heads']} heads x "
         f"{SHAPE['head_dim']} ({SHAPE['num_key_value_heads']} KV), untied lm_head; batch {BATCH} x {SEQ} tokens, "
-        f"AdamW, {STEPS} Trainer steps, {args.repeats} plain/fused subprocess pairs run alternately; torch threads "
+        f"AdamW, {STEPS} {'custom-loop' if args.loop else 'Trainer'} steps, {args.repeats} plain/fused subprocess "
+        f"pairs run alternately; torch threads "
         f"{plain[0]['threads']}; fused chunk {chunk} rows. Peak memory is ru_maxrss of each subprocess (interpreter, "
         "weights, grads and AdamW state included). The machine's 2 cores are shared with other jobs, so step "
         "times of identical runs vary (see the spread row); peak memory and losses do not.",

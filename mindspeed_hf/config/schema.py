@@ -73,9 +73,10 @@ class KernelConfig:
                              "implementation (transformers >= 5; an explicit experts_implementation is kept)")
     loss_chunk_size: int = _declare(0, integer(0, " (0 = automatic)"), "tokens per chunk of the fused loss; 0 picks "
                                                                        "one from the vocabulary size")
-    skip_logits: str = _declare("auto", choice(("auto", "always", "never")), "when the fused loss skips the logits: "
-                                "auto (only where nothing reads them: Trainer's own loss computation), always (every "
-                                "training forward with labels; reading .logits then raises), never")
+    skip_logits: str = _declare("auto", choice(("auto", "always", "never")), "when a forward with labels builds the "
+                                "logits: auto (skipped in Trainer's own loss computation, made on first read "
+                                "elsewhere), always (skipped in every training forward with labels; reading .logits "
+                                "then raises), never (always built, HF's loss)")
 
     def __post_init__(self) -> None:
         _check_fields(self, "kernels")

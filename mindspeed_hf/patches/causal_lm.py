@@ -12,13 +12,17 @@ Family specifics are read at runtime, so there is one function and no per-family
 - Gemma2 / Gemma3 text: `config.final_logit_softcapping` (applied in the logits dtype, like HF).
 - Everything else (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi3) is the plain shape.
 
-Logits are skipped only where nothing can read them (kernels.skip_logits): under `auto`, the default, while
-Trainer's own loss computation runs (scope.logits_unread: not with return_outputs, a compute_loss_func or a
-prompt-learning PEFT model); under `always`, in every training forward with labels; never under `never`. Where
-they are skipped, `outputs.logits` is a SkippedLogits that names the setting when used. A caller's explicit
-`skip_logits=True` skips them in eval too (Trainer passes it with `use_liger_kernel`). A model whose
-`loss_function` is not HF's `ForCausalLMLoss` (custom `loss_type` or `model.loss_function = ...`) keeps the
-full-logits path, since the fused op only implements that loss.
+With labels the loss is always the fused one (where the model's loss is HF's `ForCausalLMLoss`), and the logits are
+built only if something reads them (kernels.skip_logits, `logits_plan`): under `auto`, the default, they are skipped
+while Trainer's own loss computation runs (scope.logits_unread: not with return_outputs, a compute_loss_func or a
+prompt-learning PEFT model) and made on first read everywhere else (patches/lazy_logits.py: HF's tensor, from the
+kept hidden states through the real lm_head); under `always` skipped in every training forward with labels; under
+`never` built by HF's path with HF's loss. Where they are skipped, `outputs.logits` is a SkippedLogits that names the
+setting when used. A caller's explicit `skip_logits=True` skips them in eval too (Trainer passes it with
+`use_liger_kernel`), `skip_logits=False` takes HF's path. A model whose `loss_function` is not HF's
+`ForCausalLMLoss` (custom `loss_type` or `model.loss_function = ...`) keeps the full-logits path, since the fused op
+only implements that loss; so does a forward whose lm_head is sharded or gathered around the forward itself (any
+torch.distributed run, DeepSpeed ZeRO-3) or traced by torch.compile, where it could not be called again later.
 `**kwargs` is kept, so Trainer still sees a model that accepts loss kwargs and passes `num_items_in_batch`.
 
 TRL's SFTTrainer wraps `model.forward` on the instance (`trl.trainer.utils.add_fused_lm_head`): its
@@ -41,7 +45,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from .. import compat
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
-from . import scope
+from . import lazy_logits, scope
 
 
 class SkippedLogitsError(RuntimeError, AttributeError):
@@ -83,15 +87,20 @@ class SkippedLogits:
         return "SkippedLogits(not computed: see mindspeed_hf kernels.skip_logits)"
 
 
-def _skip(model: torch.nn.Module, labels: torch.Tensor | None, skip_logits: bool | None, mode: str) -> bool:
-    """Whether this forward computes the loss without logits. An explicit `skip_logits` argument decides, except
-    under `never`; otherwise `always` skips every training forward with labels, and `auto` only those inside a
-    window where nothing can read the logits (scope.logits_unread: Trainer's own loss computation)."""
-    if labels is None or mode == "never":
-        return False
+def logits_plan(model: torch.nn.Module, lm_head: torch.nn.Module, labels: torch.Tensor | None,
+                skip_logits: bool | None, mode: str) -> str:
+    """What a forward does with the logits: "full" (HF's path: logits, then the model's loss), "skip" (the fused loss,
+    no logits) or "defer" (the fused loss, logits made on first read: lazy_logits). An explicit `skip_logits`
+    argument decides, except under `never`; otherwise `always` skips every training forward with labels, `auto`
+    those inside a window where nothing can read the logits (scope.logits_unread: Trainer's own loss computation),
+    and any other forward with labels defers them where the lm_head allows it."""
+    if labels is None or mode == "never" or not _uses_hf_causal_loss(model):
+        return "full"
     if skip_logits is not None:
-        return skip_logits
-    return model.training and (mode == "always" or scope.logits_unread())
+        return "skip" if skip_logits else "full"
+    if model.training and (mode == "always" or scope.logits_unread()):
+        return "skip"
+    return "defer" if lazy_logits.can_defer(lm_head) else "full"
 
 
 def _load_balancing_loss_func(model: torch.nn.Module):
@@ -117,6 +126,17 @@ def _uses_hf_causal_loss(model: torch.nn.Module) -> bool:
 def _softcap(config) -> float | None:
     cap = getattr(config, "final_logit_softcapping", None)
     return float(cap) if cap else None
+
+
+def _softcapped(softcap: float | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Gemma2/3's final logit softcapping, in the logits dtype exactly as their forwards do it (None: no cap)."""
+    if softcap is None:
+        return None
+
+    def cap(logits: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(logits / softcap) * softcap
+
+    return cap
 
 
 def _forward(
@@ -162,12 +182,12 @@ def _forward(
     softcap = _softcap(config)
 
     kernels = scope.current().kernels
-    fused = _skip(self, labels, skip_logits, kernels.skip_logits) and _uses_hf_causal_loss(self)
+    plan = logits_plan(self, lm_head, labels, skip_logits, kernels.skip_logits)
     # HF's MoE forwards take output_router_logits as a named argument, so it never reaches their loss
     loss_kwargs = {k: v for k, v in kwargs.items() if not (moe and k == "output_router_logits")}
 
     loss = None
-    if fused:
+    if plan != "full":
         loss = fused_linear_cross_entropy(
             hidden_states,
             lm_head,
@@ -178,13 +198,12 @@ def _forward(
             softcap=softcap,
             chunk_size=kernels.loss_chunk_size,
         )
-        logits = SkippedLogits(kernels.skip_logits)
+        logits = (SkippedLogits(kernels.skip_logits) if plan == "skip" else
+                  lazy_logits.deferred_logits(lm_head, hidden_states, _softcapped(softcap)))
     else:
         logits = lm_head(hidden_states)
-        if softcap is not None:  # Gemma2/3, in the logits dtype exactly as their forwards do it
-            logits = logits / softcap
-            logits = torch.tanh(logits)
-            logits = logits * softcap
+        if softcap is not None:
+            logits = _softcapped(softcap)(logits)
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
 
@@ -218,9 +237,10 @@ def _forward(
 _DOC = """Drop-in `XForCausalLM.forward` (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, gemma, gemma2,
 gemma3 text, phi3): the same arguments and outputs as the installed release's HF forward, plus `skip_logits`.
 
-While training with labels where nothing reads the logits (kernels.skip_logits, see `_skip`) the loss is computed
-by the chunked fused linear cross-entropy and `logits` is a SkippedLogits; otherwise the logits are real and the
-loss is HF's own.
+With labels the loss is computed by the chunked fused linear cross-entropy and `logits` is made on first read
+(lazy_logits), or is a SkippedLogits where nothing can read it (kernels.skip_logits, see `logits_plan`); where the
+lm_head cannot be called again after the forward (distributed, compiling) or the model's loss is not HF's, the
+logits are built and the loss is HF's own.
 """
 
 if compat.CACHE_NAME == "cache":  # transformers >= 5: `cache`, with `past_key_values` as the deprecated alias

@@ -30,8 +30,9 @@ from ..ops.attention import ATTENTION_NAME
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from ..ops.vision_attention import vision_attention
 from . import scope
-from .causal_lm import SkippedLogits, _skip, _uses_hf_causal_loss
+from .causal_lm import SkippedLogits, logits_plan
 from .forwards import tag
+from .lazy_logits import deferred_logits
 
 LOSS_ONLY_KWARGS = ("shift_labels", "num_items_in_batch", "ignore_index")
 
@@ -95,9 +96,9 @@ def vlm_head_forward(original: Callable) -> Callable:
         bound = signature.bind(self, *args, **kwargs)
         labels = bound.arguments.get("labels")
         mode = scope.current().kernels.skip_logits
-        fused = (_skip(self, labels, skip_logits, mode) and _uses_hf_causal_loss(self)
-                 and "lm_head" in self._modules and bound.arguments.get("return_dict", True) is not False)
-        if not fused:
+        plan = "full" if "lm_head" not in self._modules or bound.arguments.get("return_dict", True) is False else \
+            logits_plan(self, self.lm_head, labels, skip_logits, mode)
+        if plan == "full":
             return original(self, *args, **kwargs)
         extra = bound.arguments.get("kwargs", {})
         loss_kwargs = {name: extra.pop(name) for name in LOSS_ONLY_KWARGS if name in extra}
@@ -116,7 +117,8 @@ def vlm_head_forward(original: Callable) -> Callable:
             loss = loss + _aux_loss_coef(self) * aux_loss.to(loss.device)
         # Rebuilt, not assigned: ModelOutput keeps a None field out of its dict, and `loss` must come first in it.
         fields = {field.name: getattr(outputs, field.name) for field in dataclasses.fields(outputs)}
-        return type(outputs)(**{**fields, "loss": loss, "logits": SkippedLogits(mode)})
+        logits = SkippedLogits(mode) if plan == "skip" else deferred_logits(lm_head, outputs.logits)
+        return type(outputs)(**{**fields, "loss": loss, "logits": logits})
 
     return forward
 

@@ -1,0 +1,123 @@
+"""Logits made on first read: what a forward with labels returns in `outputs.logits` when the fused loss computed the
+loss from the hidden states (kernels.skip_logits: auto, outside Trainer's own loss computation).
+
+`DeferredLogits` is a tensor with HF's logits' shape, dtype, device and requires_grad but no storage. Reading its
+metadata (`.shape`, `.dtype`, `.device`, `.size()`, `.dim()`) builds nothing; any other use - an operator, a method,
+indexing, `repr`, a dtype cast - computes HF's logits once, from the kept final hidden states through the model's
+real lm_head (Gemma's softcap applied as HF does), under the grad mode and autocast state of the forward that made
+it, and runs the operation on them; a loss built on them backpropagates into the model exactly as HF's would. Read
+again, the same tensor is used. A cast (`.float()`, `.to(dtype)`, what accelerate's mixed-precision output conversion
+does to every output) returns another deferred tensor, so that conversion builds nothing either.
+
+Deferred only where the lm_head can be called again after the forward as it was inside it: one process (DDP, FSDP,
+tensor parallelism and DeepSpeed gather or shard the weights around the forward itself) and not while torch.compile
+traces; elsewhere the forward builds the logits as HF does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+__all__ = ["DeferredLogits", "can_defer", "deferred_logits"]
+
+_METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+             torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,
+             torch.Tensor.is_cuda.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
+             torch.Tensor.is_floating_point, torch.Tensor.__len__}
+_CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16,
+          torch.Tensor.double: torch.float64}
+
+
+class DeferredLogits(torch.Tensor):
+    """HF's logits, computed on first use (see the module docstring)."""
+
+    @staticmethod
+    def __new__(cls, make: Callable[[], torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device, requires_grad: bool) -> DeferredLogits:
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+        self._make, self._value = make, None
+        return self
+
+    def materialize(self) -> torch.Tensor:
+        """HF's logits (computed now if they were not yet)."""
+        if self._value is None:
+            self._value, self._make = self._make(), None
+        return self._value
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return repr(self.materialize())
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, cls) and first._value is None:
+            if func in _METADATA:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+            dtype = _cast_dtype(func, args, kwargs)
+            if dtype is not None:
+                return first if dtype == first.dtype else _cast(first, dtype)
+        args, kwargs = tree_map(_real, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # reached only by code that bypasses __torch_function__: the operation runs on the computed logits
+        args, kwargs = tree_map(_real, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _real(value: Any) -> Any:
+    return value.materialize() if isinstance(value, DeferredLogits) else value
+
+
+def _cast_dtype(func: Callable, args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype of a pure dtype cast (`.float()`, `.to(torch.float32)`), else None."""
+    if func in _CASTS and len(args) == 1 and not kwargs:
+        return _CASTS[func]
+    if func is torch.Tensor.to and len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs:
+        return args[1]
+    return None
+
+
+def _cast(source: DeferredLogits, dtype: torch.dtype) -> DeferredLogits:
+    return DeferredLogits(lambda: source.materialize().to(dtype), source.shape, dtype, source.device,
+                          source.requires_grad)
+
+
+def can_defer(lm_head: torch.nn.Module) -> bool:
+    """True where the lm_head can be called again after the forward, as it was inside it (module docstring)."""
+    import torch.distributed as dist
+
+    if torch.compiler.is_compiling() or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    weight = getattr(lm_head, "weight", None)
+    return isinstance(weight, torch.Tensor) and type(weight) in (torch.Tensor, torch.nn.Parameter) and \
+        not hasattr(weight, "ds_id")  # DeepSpeed ZeRO-3 gathers it around the module's own forward
+
+
+def deferred_logits(lm_head: torch.nn.Module, hidden_states: torch.Tensor,
+                    finish: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DeferredLogits:
+    """`finish(lm_head(hidden_states))` (finish: e.g. a softcap), made on first read under this forward's grad mode
+    and autocast state."""
+    grad = torch.is_grad_enabled()
+    device = hidden_states.device.type
+    autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda", "npu") else False
+    autocast_dtype = torch.get_autocast_dtype(device) if autocast else None
+
+    def make() -> torch.Tensor:
+        with torch.set_grad_enabled(grad), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
+            logits = lm_head(hidden_states)
+            return finish(logits) if finish is not None else logits
+
+    with torch.no_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
+        # what make() will return, from one position: its dtype, device and width, for the cost of one row
+        probe = lm_head(hidden_states.reshape(-1, hidden_states.shape[-1])[:1])
+        probe = finish(probe) if finish is not None else probe
+    return DeferredLogits(make, (*hidden_states.shape[:-1], probe.shape[-1]), probe.dtype, probe.device,
+                          grad and (hidden_states.requires_grad or any(p.requires_grad for p in lm_head.parameters())))

@@ -1,0 +1,114 @@
+"""Logits made on first read (patches/lazy_logits.py): in a forward with labels outside Trainer's own loss
+computation - a custom training loop, evaluation - the loss is the fused one and `outputs.logits` is built only when
+something reads it, then it is HF's tensor (values, dtype, gradients into the model). Against the unpatched model in
+the same process (the package disabled), fp32, 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+import mindspeed_hf
+from mindspeed_hf.patches import causal_lm
+from mindspeed_hf.patches.lazy_logits import DeferredLogits
+
+
+@pytest.fixture
+def made(monkeypatch) -> list[tuple[int, ...]]:
+    """The shape of every logits tensor made from deferred logits."""
+    shapes: list[tuple[int, ...]] = []
+    original = DeferredLogits.materialize
+
+    def counting(self):
+        if self._value is None:
+            shapes.append(tuple(self.shape))
+        return original(self)
+
+    monkeypatch.setattr(DeferredLogits, "materialize", counting)
+    return shapes
+
+
+def _batch(vocab: int = 128, seed: int = 0) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _run(family: str, accelerated: bool, read, **overrides):
+    """One training step of a fresh model: (loss, what `read(outputs)` returned, the gradients)."""
+    (mindspeed_hf.enable if accelerated else mindspeed_hf.disable)()
+    model = tiny_model(family, **overrides)
+    model.train()
+    outputs = model(**_batch())
+    loss = outputs.loss + (read(outputs) if read is not None else 0)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), outputs, grads
+
+
+def _close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma2"])
+def test_a_loop_that_reads_only_the_loss_never_builds_logits(family, made):
+    hf_loss, _, hf_grads = _run(family, False, None)
+    loss, outputs, grads = _run(family, True, None)
+    assert isinstance(outputs.logits, DeferredLogits) and made == []
+    assert abs(loss.item() - hf_loss.item()) <= 1e-5
+    _close(grads, hf_grads)
+    # metadata reads build nothing either
+    assert outputs.logits.shape == (2, 12, 128) and outputs.logits.dtype == torch.float32
+    assert outputs.logits.device.type == "cpu" and outputs.logits.requires_grad and outputs.logits.dim() == 3
+    assert made == []
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])  # gemma2: the softcap applied as HF does
+def test_a_loop_that_builds_its_loss_on_the_logits_gets_hf_gradients(family, made):
+    def read(outputs):
+        return 1e-2 * outputs.logits.float().logsumexp(-1).pow(2).mean()
+
+    hf_loss, hf_out, hf_grads = _run(family, False, read)
+    loss, outputs, grads = _run(family, True, read)
+    assert made == [(2, 12, 128)]  # once
+    assert abs(loss.item() - hf_loss.item()) <= 1e-5
+    _close(grads, hf_grads)
+    torch.testing.assert_close(outputs.logits.detach(), hf_out.logits.detach(), atol=1e-5, rtol=0)
+
+
+def test_every_way_of_reading_gives_the_same_tensor(made):
+    _, hf_out, _ = _run("qwen3", False, None)
+    _, outputs, _ = _run("qwen3", True, None)
+    assert "logits" in outputs and list(outputs.keys()) == list(hf_out.keys())
+    first = outputs["logits"]
+    assert first is outputs.logits and outputs.to_tuple()[1] is first and dict(outputs)["logits"] is first
+    assert outputs.logits.float() is first  # a cast to its own dtype is itself, as for a tensor
+    half = outputs.logits.to(torch.bfloat16)  # accelerate's output conversion casts every output: deferred too
+    assert isinstance(half, DeferredLogits) and half.dtype == torch.bfloat16 and made == []
+    torch.testing.assert_close(outputs.logits[:, -1], hf_out.logits[:, -1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(half.float(), hf_out.logits.to(torch.bfloat16).float(), atol=1e-2, rtol=0)
+    # made: the logits, their bf16 cast, and that cast in fp32 (each once)
+    assert made == [(2, 12, 128)] * 3 and "tensor(" in repr(outputs.logits) and len(made) == 3
+
+
+def test_under_autocast_the_logits_have_hf_dtype():
+    read = {}
+    for accelerated in (False, True):
+        (mindspeed_hf.enable if accelerated else mindspeed_hf.disable)()
+        model = tiny_model("qwen3")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs = model(**_batch())
+        read[accelerated] = outputs.logits  # read outside the autocast region: made as inside it
+    assert read[True].dtype == read[False].dtype == torch.bfloat16
+    torch.testing.assert_close(read[True].float(), read[False].float(), atol=0, rtol=0)
+
+
+def test_explicit_skip_logits_false_takes_hf_path(made, monkeypatch):
+    calls = []
+    monkeypatch.setattr(causal_lm, "fused_linear_cross_entropy", lambda *a, **k: calls.append(1))
+    mindspeed_hf.enable()
+    model = tiny_model("qwen3")
+    outputs = model(**_batch(), skip_logits=False)
+    assert type(outputs.logits) is torch.Tensor and not calls
