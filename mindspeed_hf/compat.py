@@ -49,13 +49,16 @@ def slice_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tenso
     return hidden_states[:, keep, :]
 
 
-@functools.cache
+_NAMED: dict[Callable, frozenset[str] | None] = {}  # _named_parameters' memo (a plain dict: torch.compile reads it)
+
+
 def _named_parameters(forward: Callable) -> frozenset[str] | None:
     """The keyword names `forward` accepts, or None when it takes **kwargs (accepts any name)."""
-    params = inspect.signature(forward).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return frozenset(p.name for p in params)
+    if forward not in _NAMED:
+        params = inspect.signature(forward).parameters.values()
+        _NAMED[forward] = None if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) else \
+            frozenset(p.name for p in params)
+    return _NAMED[forward]
 
 
 def accepted_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -263,10 +266,19 @@ class ExpertsRegistry:
     default_apply_gate: Callable  # the gate use_experts_implementation installs: act_fn(first half) * second half
 
 
-@functools.cache
+_EXPERTS: dict[str, ExpertsRegistry | None] = {}  # experts_registry's one answer (a plain dict: torch.compile reads it)
+
+
 def experts_registry() -> ExpertsRegistry | None:
     """The fused 3-D experts registry (`transformers.integrations.moe`, transformers >= 5); None on 4.57, whose MoE
-    blocks hold one module per expert and have no experts implementation to choose."""
+    blocks hold one module per expert and have no experts implementation to choose. Found once (enable() asks
+    first, so a forward traced by torch.compile only reads the answer)."""
+    if "registry" not in _EXPERTS:
+        _EXPERTS["registry"] = _find_experts_registry()
+    return _EXPERTS["registry"]
+
+
+def _find_experts_registry() -> ExpertsRegistry | None:
     try:
         from transformers.integrations import moe
     except ImportError:

@@ -15,6 +15,10 @@ Each of the three runs the backend of the tensors' device (ops/registry.py):
   (16-byte aligned strides and pointers, CUDA compute capability >= 8.0), else the per-expert loop. Its
   backward gets a materialised gradient (it rejects an expanded stride-0 one), and no row lies past the last
   offset (the groups always cover every row), so no uninitialised rows reach a result.
+
+One host read per MoE block in eager mode (the group sizes, to slice off HF's expert-parallel sentinel rows and to
+check the groups). While torch.compile traces, none on the torch backend (`_experts_mlp_traced`): a new routing is
+not a new graph. The per-expert loop (where torch._grouped_mm does not apply) and the npu backend keep it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ Gate = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _counts_tensor(counts: Sequence[int] | torch.Tensor, x: torch.Tensor, experts: int) -> torch.Tensor:
-    """`counts` as an int64 tensor on x's device, checked against the experts and rows (a host read of a tensor)."""
+    """`counts` as an int64 tensor on x's device, checked against the experts and rows (a host read of a tensor;
+    not while torch.compile traces, where a device tensor is taken as it is)."""
+    if isinstance(counts, torch.Tensor) and torch.compiler.is_compiling():
+        return counts
     values = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
     counts = torch.as_tensor(values, dtype=torch.int64, device=x.device)
     if counts.dim() != 1 or len(values) != experts or sum(values) != x.shape[0] or min(values, default=0) < 0:
@@ -99,17 +106,65 @@ def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
         return False
-    return _aligned(x) and _aligned(weight)
+    # a traced tensor has no address: the compiled graph's own kernels place their buffers
+    return torch.compiler.is_compiling() or (_aligned(x) and _aligned(weight))
 
 
 @register("experts", "torch", name="torch:grouped_mm")
 def grouped_matmul_torch(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """x [N, K] grouped by counts, times each group's weight [E, K, M]: [N, M]."""
+    """x [N, K] grouped by counts, times each group's weight [E, K, M]: [N, M]. While torch.compile traces, one
+    opaque op (`mindspeed_hf::grouped_matmul`: torch._grouped_mm's fake kernel takes only bf16, and the loop needs the
+    group sizes on the host)."""
+    if torch.compiler.is_compiling():
+        return _grouped_matmul_op(x, weight, counts)
     if grouped_mm_applies(x, weight):
         offsets = counts.cumsum(0, dtype=torch.int32)
         return _MaterialisedGrad.apply(torch._grouped_mm(x, weight, offs=offsets))
     groups = [rows @ weight[e] for e, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
     return torch.cat(groups)
+
+
+@torch.library.custom_op("mindspeed_hf::grouped_matmul", mutates_args=())
+def _grouped_matmul_op(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """grouped_matmul_torch's eager body, as one op for a compiled graph (its autograd below)."""
+    with torch.no_grad():
+        return grouped_matmul_torch(x, weight, counts).clone()
+
+
+@_grouped_matmul_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # noqa: ARG001
+    return x.new_empty(x.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("mindspeed_hf::grouped_matmul_weight_grad", mutates_args=())
+def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor, experts: int) -> torch.Tensor:
+    """d(weight) [E, K, M] of x [N, K] @ weight grouped by counts, from grad [N, M] (zero for an empty group)."""
+    out = x.new_zeros(experts, x.shape[1], grad.shape[1])
+    for e, (rows, g) in enumerate(zip(x.split(counts.tolist()), grad.split(counts.tolist()))):
+        if rows.shape[0]:
+            out[e] = rows.t() @ g
+    return out
+
+
+@_grouped_weight_grad.register_fake
+def _(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor, experts: int) -> torch.Tensor:  # noqa: ARG001
+    return x.new_empty(experts, x.shape[1], grad.shape[1])
+
+
+def _grouped_matmul_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:  # noqa: ARG001
+    x, weight, counts = inputs
+    ctx.save_for_backward(x, weight, counts)
+
+
+def _grouped_matmul_backward(ctx: Any, grad: torch.Tensor):
+    x, weight, counts = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_x = _grouped_matmul_op(grad, weight.transpose(1, 2), counts) if ctx.needs_input_grad[0] else None
+    grad_w = _grouped_weight_grad(x, grad, counts, weight.shape[0]) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_grouped_matmul_op.register_autograd(_grouped_matmul_backward, setup_context=_grouped_matmul_setup)
 
 
 # ---- npu: npu_grouped_matmul, forward and backward ------------------------------------------------------------------
@@ -207,6 +262,8 @@ def experts_mlp(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     biases / transposed keywords of grouped_mlp. [T, H]."""
     experts = gate_up.shape[0]
     rows, routing = permute(hidden, top_k_index, experts + 1)
+    if torch.compiler.is_compiling() and resolve_backend(hidden.device) == "torch":
+        return _experts_mlp_traced(rows, routing, top_k_weights, gate_up, down, apply_gate, layout)
     counts = routing.counts.tolist()  # the one host read of the block
     if len(counts) > experts + 1:
         raise ValueError(f"experts_mlp: expert ids up to {len(counts) - 1}, but only {experts} experts")
@@ -215,3 +272,17 @@ def experts_mlp(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     if kept < rows.shape[0]:
         out = torch.cat([out, out.new_zeros(rows.shape[0] - kept, out.shape[1])])
     return unpermute(out, routing, top_k_weights)  # (unpermute does not read the counts)
+
+
+def _experts_mlp_traced(rows: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+                        down: torch.Tensor, apply_gate: Gate | None, layout: dict[str, Any]) -> torch.Tensor:
+    """experts_mlp while torch.compile traces, with no host read: the groups stay a device tensor (the grouped
+    matmul takes them as offsets), and the rows of HF's "not here" sentinel (sorted last) are zeroed and computed
+    with the last expert, then dropped, instead of sliced off by a count read to the host. Same result: every kept row
+    runs its own expert, a dropped row contributes nothing and gets no gradient."""
+    experts = gate_up.shape[0]
+    counts = routing.counts[:experts].clone()
+    counts[-1] += routing.counts[experts]  # the groups cover every row
+    kept = (torch.arange(rows.shape[0], device=rows.device) < routing.counts[:experts].sum()).unsqueeze(-1)
+    out = grouped_mlp(torch.where(kept, rows, 0), counts, gate_up, down, apply_gate, **layout)
+    return unpermute(torch.where(kept, out, 0), routing, top_k_weights)

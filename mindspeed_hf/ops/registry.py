@@ -39,6 +39,8 @@ _backend = {"requested": None}  # set by set_backend(); None = read MINDSPEED_HF
 _running_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("mindspeed_hf_backend", default=None)
 # What ran: the counter of the model that is running now (op -> executions of our kernels), set by patches/scope.py.
 _ran: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("mindspeed_hf_ran", default=None)
+# The running backends while torch.compile traces a model's forward (use_backend).
+_traced_backends: list[str | None] = []
 # Registry ops counted under the name report() uses for them.
 _REPORTED_AS = {"swiglu_packed": "swiglu", "context_block_forward": "attention"}
 
@@ -91,19 +93,27 @@ def set_backend(name: str | None, setting: str = "backend") -> None:
     _backend["requested"] = None if name is None else validate_backend_name(name, setting)
 
 
-def use_backend(name: str | None) -> contextvars.Token:
+def use_backend(name: str | None) -> contextvars.Token | None:
     """Make `name` (validated by the caller) the backend of the code that runs until `reset_backend(token)`;
-    None: the process one."""
+    None: the process one. While torch.compile traces (it cannot trace a ContextVar) the choice goes on a plain
+    stack that the trace reads: it is made once, when the graph is built."""
+    if torch.compiler.is_compiling():
+        _traced_backends.append(name)
+        return None
     return _running_backend.set(name)
 
 
-def reset_backend(token: contextvars.Token) -> None:
-    _running_backend.reset(token)
+def reset_backend(token: contextvars.Token | None) -> None:
+    if token is None:
+        _traced_backends.pop()
+    else:
+        _running_backend.reset(token)
 
 
 def requested_backend() -> str:
     """The running model's backend, else the process one (set_backend, or MINDSPEED_HF_BACKEND)."""
-    running = _running_backend.get()
+    running = (_traced_backends[-1] if _traced_backends else None) if torch.compiler.is_compiling() \
+        else _running_backend.get()
     if running is not None:
         return running
     if _backend["requested"] is None:
@@ -132,20 +142,22 @@ def run(op: str, device: torch.device | str) -> Callable:
     """The function that runs `op` for tensors on `device` (as `select`), counted as one execution on the running
     model's counter (report()["ran"]: what really ran, not what was patched)."""
     kernel = select(op, device)
-    counts = _ran.get()
+    counts = None if torch.compiler.is_compiling() else _ran.get()  # a compiled graph runs no Python to count
     if counts is not None:
         name = _REPORTED_AS.get(op, op)
         counts[name] = counts.get(name, 0) + 1
     return kernel.fn
 
 
-def count_into(counts: dict[str, int] | None) -> contextvars.Token:
-    """Count the kernels that run until `stop_counting(token)` into `counts` (a model's own counter)."""
-    return _ran.set(counts)
+def count_into(counts: dict[str, int] | None) -> contextvars.Token | None:
+    """Count the kernels that run until `stop_counting(token)` into `counts` (a model's own counter); nothing while
+    torch.compile traces."""
+    return None if torch.compiler.is_compiling() else _ran.set(counts)
 
 
-def stop_counting(token: contextvars.Token) -> None:
-    _ran.reset(token)
+def stop_counting(token: contextvars.Token | None) -> None:
+    if token is not None:
+        _ran.reset(token)
 
 
 def implementation(op: str, device: torch.device | str) -> str:

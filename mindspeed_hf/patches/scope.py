@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..config import MindSpeedConfig
@@ -24,6 +25,9 @@ from ..ops import registry
 _running: contextvars.ContextVar[MindSpeedConfig | None] = contextvars.ContextVar("mindspeed_hf_config", default=None)
 _unread: contextvars.ContextVar[bool] = contextvars.ContextVar("mindspeed_hf_logits_unread", default=False)
 _process: dict[str, MindSpeedConfig | None] = {"config": None}
+# The running models' configs while torch.compile traces their forward (see current()).
+_traced: list[MindSpeedConfig | None] = []
+_unread_traced: list[bool] = []  # logits_unread_window's mirror for torch.compile
 
 
 def set_process_config(config: MindSpeedConfig | None) -> None:
@@ -37,7 +41,11 @@ def process_config() -> MindSpeedConfig | None:
 
 
 def current() -> MindSpeedConfig:
-    """The config of the model running now, else the process config, else the defaults."""
+    """The config of the model running now, else the process config, else the defaults. While torch.compile traces
+    (it cannot trace a ContextVar) the running model's config is read from a plain stack the hooks keep then: the
+    choice is made once, when the graph is built."""
+    if torch.compiler.is_compiling():
+        return (_traced[-1] if _traced else None) or _process["config"] or _DEFAULT
     return _running.get() or _process["config"] or _DEFAULT
 
 
@@ -49,15 +57,18 @@ def logits_unread_window() -> Iterator[None]:
     """Inside: the caller will read nothing of the model's outputs but the loss (Trainer's own loss computation),
     so a fused loss may skip the logits under kernels.skip_logits=auto."""
     token = _unread.set(True)
+    _unread_traced.append(True)
     try:
         yield
     finally:
+        _unread_traced.pop()
         _unread.reset(token)
 
 
 def logits_unread() -> bool:
-    """True inside a logits_unread_window."""
-    return _unread.get()
+    """True inside a logits_unread_window (while torch.compile traces: read from a plain mirror, which the graph is
+    guarded on)."""
+    return bool(_unread_traced) if torch.compiler.is_compiling() else _unread.get()
 
 
 def kernel_on(op: str) -> bool:
@@ -74,6 +85,10 @@ def _enter(config: MindSpeedConfig | None, counts: dict[str, int]) -> Callable[.
     """The pre-hook: `config` current (None: keep the current one) and the kernels that run counted into `counts`."""
 
     def hook(module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # traced into the graph: the config for the trace, nothing counted
+            _traced.append(config if config is not None else (_traced[-1] if _traced else None))
+            registry.use_backend(None if config is None or config.backend == "auto" else config.backend)
+            return
         tokens = (registry.count_into(counts),) if config is None else (
             registry.count_into(counts), _running.set(config),
             registry.use_backend(None if config.backend == "auto" else config.backend))
@@ -84,6 +99,10 @@ def _enter(config: MindSpeedConfig | None, counts: dict[str, int]) -> Callable[.
 
 
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        _traced.pop()
+        registry.reset_backend(None)
+        return
     stack = module.__dict__.get("_mindspeed_tokens")
     if stack:
         tokens = stack.pop()

@@ -207,6 +207,9 @@ SEAMS: tuple[Seam, ...] = (
          "(ops/varlen.py)", since="2.6", package="torch", owner="torch.Tensor"),
     Seam("Tensor._is_view", "object", "views are not offloaded (memory/offload.py)", since="2.6", package="torch",
          owner="torch.Tensor", feature="activation offload (memory/offload.py)"),
+    Seam("Tensor._make_wrapper_subclass", "object", "deferred logits: a tensor with HF's logits' shape, dtype and "
+         "device and no storage, computed on first use (patches/lazy_logits.py)", since="2.6", package="torch",
+         owner="torch.Tensor"),
     Seam("UntypedStorage._cdata", "object",
          "a storage's identity (memory/offload.py, memory/measure.py, cli/memory_report.py, cli/bench_counts.py)",
          since="2.6", package="torch", owner="torch.UntypedStorage",
