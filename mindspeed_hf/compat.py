@@ -347,3 +347,9 @@ def storage_key(storage: torch.UntypedStorage) -> int:
     """An identity of a tensor storage shared by every tensor over it, as torch's own StorageWeakRef keys it
     (`_cdata`, every torch 2.x; `data_ptr()` is not one: 0 for every empty storage)."""
     return storage._cdata
+
+
+def current_autograd_node() -> Any:
+    """The autograd node the engine is running now (None outside a backward pass), as torch's C extension reports it
+    (`torch._C._current_autograd_node`, every torch 2.x)."""
+    return torch._C._current_autograd_node()

@@ -71,7 +71,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        call = self._backward_of.get(torch._C._current_autograd_node())
+        call = self._backward_of.get(compat.current_autograd_node())
         if call is not None:
             if call not in self._backward_calls:
                 self._backward_calls.add(call)

@@ -1,9 +1,9 @@
 """The YAML run description of `mindspeed-hf train`, in the spirit of MindSpeed-MM's run files.
 
 Sections: `model` (a config to build from scratch, or a local model directory / hub id, plus the tokenizer), `data`
-(JSONL prompt/completion files, max length, packing), `parallel`, `features` and `checkpoints` (the accelerator
-config: mindspeed_hf.config), `training` (any transformers.TrainingArguments key), `evaluation` (the before/after
-quality check) and `runtime` (process settings). Everything is checked here, before any model is built:
+(JSONL prompt/completion files, max length, packing), `parallel`, `features`, `moe` and `checkpoints` (the
+accelerator config: mindspeed_hf.config), `training` (any transformers.TrainingArguments key), `evaluation` (the
+before/after quality check) and `runtime` (process settings). Everything is checked here, before any model is built:
 unknown keys name the key and the valid ones, and missing files name the setting that points at them.
 
 Relative paths are relative to the YAML file; `builtin:NAME` names a file shipped in cli/default_run.
@@ -81,7 +81,7 @@ class RunConfig:
     source: str = "<dict>"
 
 
-SECTIONS = ("model", "data", "parallel", "features", "checkpoints", "training", "evaluation", "runtime")
+SECTIONS = ("model", "data", "parallel", "features", "moe", "checkpoints", "training", "evaluation", "runtime")
 # `features` is flat, MindSpeed-MM style: the backend, every kernel switch and every memory feature.
 FEATURE_KEYS = ("backend", *(f.name for f in dataclasses.fields(KernelConfig)),
                 *(f.name for f in dataclasses.fields(MemoryConfig)))
@@ -240,8 +240,9 @@ def _validate_runtime(spec: RuntimeSpec) -> RuntimeSpec:
     return spec
 
 
-def mindspeed_config_from_sections(parallel: Any, features: Any, checkpoints: Any = None) -> MindSpeedConfig:
-    """Map the flat `features` section, the `parallel` and `checkpoints` sections onto one validated
+def mindspeed_config_from_sections(parallel: Any, features: Any, checkpoints: Any = None,
+                                   moe: Any = None) -> MindSpeedConfig:
+    """Map the flat `features` section, the `parallel`, `moe` and `checkpoints` sections onto one validated
     MindSpeedConfig."""
     features = _check_keys("features", features, FEATURE_KEYS)
     parallel = _check_keys("parallel", parallel, [f.name for f in dataclasses.fields(ParallelConfig)])
@@ -251,6 +252,7 @@ def mindspeed_config_from_sections(parallel: Any, features: Any, checkpoints: An
         "memory": {k: v for k, v in features.items() if k not in kernel_keys and k != "backend"},
         "parallel": parallel,
         "checkpoints": checkpoints or {},
+        "moe": moe or {},
     }
     if "backend" in features:
         data["backend"] = features["backend"]
@@ -269,7 +271,7 @@ def parse_run_config(data: dict[str, Any], base: Path, source: str = "<dict>") -
         model=_validate_model(_spec("model", ModelSpec, data.get("model")), base),
         data=_validate_data(_spec("data", DataSpec, data.get("data")), base),
         mindspeed=mindspeed_config_from_sections(data.get("parallel"), data.get("features"),
-                                                 data.get("checkpoints")),
+                                                 data.get("checkpoints"), data.get("moe")),
         training=training,
         evaluation=_spec("evaluation", EvalSpec, data.get("evaluation")),
         runtime=_validate_runtime(_spec("runtime", RuntimeSpec, data.get("runtime"))),

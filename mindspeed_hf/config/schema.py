@@ -2,7 +2,7 @@
 its default, its value kind (mindspeed_hf.value_kinds) and its help text.
 
 Everything else is derived from these declarations: the YAML schema (sections `kernels` / `parallel` / `memory` /
-`checkpoints` plus `backend`), the training arguments (`mindspeed_<key>`), the environment variables
+`moe` / `checkpoints` plus `backend`), the training arguments (`mindspeed_<key>`), the environment variables
 (`MINDSPEED_HF_<SECTION>_<KEY>`, `MINDSPEED_HF_BACKEND`) and the one validation: every value goes through its kind,
 whichever source gave it, when a config is built (`__post_init__`), and a config builds only if it is valid.
 """
@@ -174,6 +174,18 @@ class MemoryConfig:
 
 
 @dataclass
+class MoEConfig:
+    """What a MoE model's training shows."""
+
+    log_load: bool = _declare(True, boolean(), "log each MoE layer's expert load with the training loss (moe/* keys: "
+                              "the busiest expert over the mean, the experts that got no token) on models with fused "
+                              "experts (transformers >= 5)")
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "moe")
+
+
+@dataclass
 class CheckpointConfig:
     """What happens to each checkpoint a Trainer run saves, besides Trainer's own writing."""
 
@@ -194,6 +206,7 @@ class MindSpeedConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
@@ -204,7 +217,7 @@ class MindSpeedConfig:
 
 
 SECTIONS: dict[str, type] = {"kernels": KernelConfig, "parallel": ParallelConfig, "memory": MemoryConfig,
-                             "checkpoints": CheckpointConfig}
+                             "moe": MoEConfig, "checkpoints": CheckpointConfig}
 
 
 # ---------------------------------------------------------------------------------------------- the settings
@@ -294,6 +307,6 @@ def build(flat: Mapping[str, Any]) -> MindSpeedConfig:
 
 
 def config_from_dict(data: Mapping[str, Any] | None) -> MindSpeedConfig:
-    """Build and validate a MindSpeedConfig from nested dicts ({backend, kernels: {...}, parallel, memory,
+    """Build and validate a MindSpeedConfig from nested dicts ({backend, kernels: {...}, parallel, memory, moe,
     checkpoints})."""
     return build(flatten(data))

@@ -29,6 +29,10 @@ _NOT_INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
                   "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
 
 
+#: the export process: below the training processes' priority (the step keeps the CPU), then `mindspeed-hf export`
+_CHILD = "import os, sys; os.nice(10); from mindspeed_hf.cli.main import main; sys.exit(main(sys.argv[1:]))"
+
+
 @dataclass
 class BackgroundExport:
     """One export process, the checkpoint it reads, the directory it writes and its log."""
@@ -54,9 +58,8 @@ def start(checkpoint: str) -> BackgroundExport:
     log = out + ".log"
     with open(log, "w") as stream:
         process = subprocess.Popen(
-            [sys.executable, "-m", "mindspeed_hf.cli.main", "export", checkpoint, out], env=env, stdout=stream,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=lambda: os.nice(10))  # below the training processes: the step keeps the CPU
+            [sys.executable, "-c", _CHILD, "export", checkpoint, out], env=env, stdout=stream,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     logger.info("mindspeed_hf: exporting %s to %s in the background", checkpoint, out)
     return BackgroundExport(checkpoint, out, log, process)
 

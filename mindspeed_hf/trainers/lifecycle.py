@@ -23,6 +23,7 @@ from ..parallel.parallelize import ParallelizeOptions, parallelize
 from ..patches import apply, scope
 from . import deepspeed, export_background, frameworks, fsdp, seams
 from .fsdp_plan import release_ddp_notice
+from .moe_load import ExpertLoad
 from .run import Run, attach, resolve_config, run_of
 
 __all__ = ["after_init", "during_train", "is_accelerated", "prepare_model", "start"]
@@ -66,6 +67,9 @@ def prepare_model(trainer: Any, model: nn.Module) -> nn.Module:
                                  broadcast_from_rank0=bool(run.plan and run.plan.cpu_ram_efficient_loading))
     model = parallelize(model, dims, run.config, options)
     absorb_hf_checkpointing(model, run.args, run.config.memory)  # applied: Trainer.train must not again
+    if run.moe_load is not None:  # a model given again (model_init's re-init at train())
+        run.moe_load.remove()
+    run.moe_load = ExpertLoad.attach(model) if run.config.moe.log_load else None
     if dims is not None:
         fsdp.log_sharded(run)
     return model

@@ -220,7 +220,8 @@ SEAMS: tuple[Seam, ...] = (
          "(memory/offload.py)", since="2.6", package="torch", owner="torch._C",
          feature="activation offload (memory/offload.py)"),
     Seam("torch._C._current_autograd_node", "object", "backward op counts of `mindspeed-hf bench` "
-         "(cli/bench_counts.py)", since="2.6", package="torch", owner="torch._C", feature="mindspeed-hf bench"),
+         "(cli/bench_counts.py); a forward rerun in backward by recompute is not counted again in the MoE load "
+         "(trainers/moe_load.py)", since="2.6", package="torch", owner="torch._C", accessor="current_autograd_node"),
     Seam("torch._C._dispatch_key_for_device", "object", "which bitsandbytes kernel runs, for report() "
          "(patches/quantized.py)", since="2.6", package="torch", owner="torch._C",
          feature="report() of quantized models"),

@@ -8,7 +8,8 @@ object, so it is covered too. Every original is kept and put back exactly by uni
 Settings for such a script come from its own `fsdp`/`fsdp_config`/`parallelism_config` arguments over the process
 config (MINDSPEED_HF_* variables, MINDSPEED_HF_CONFIG=path.yaml, the accelerate launch environment, the defaults);
 the Trainer methods in fsdp.OVERRIDES (each a seam, seams.py) are wrapped too and run ours while the model is
-sharded. TrainingArguments.__post_init__ is wrapped for DeepSpeed
+sharded; Trainer.log adds the MoE expert load to the training loss's log (moe_load.py). TrainingArguments.__post_init__
+is wrapped for DeepSpeed
 (trainers/deepspeed.py: the refusal of our parallelism with it, and deepspeed.comm before a ZeRO-3 model is built).
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 
 from ..patches import scope
 from ..patches.engine import PatchSet
-from . import deepspeed, fsdp, lifecycle, seams
+from . import deepspeed, fsdp, lifecycle, moe_load, seams
 from .context import split_inputs
 from .fsdp_plan import ddp_notice_held
 from .run import run_of
@@ -122,12 +123,24 @@ def _wrap_fsdp(name: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
+def _wrap_log(original: Callable) -> Callable:
+    """Trainer.log: the training loss's log gets the MoE expert load of its interval (trainers/moe_load.py)."""
+
+    @functools.wraps(original)
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        run = run_of(self)
+        return original(self, moe_load.with_load(logs, run.moe_load if run else None), *args, **kwargs)
+
+    return log
+
+
 def _wrappers() -> dict[str, Callable[[Callable], Callable]]:
     wrappers: dict[str, Callable[[Callable], Callable]] = {
         "__init__": _wrap_init,
         "call_model_init": _wrap_call_model_init,
         "train": _wrap_train,
         "compute_loss": _wrap_compute_loss,
+        "log": _wrap_log,
     }
     wrappers.update({name: _wrap_fsdp(name) for name in fsdp.OVERRIDES})
     return wrappers

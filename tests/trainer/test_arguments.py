@@ -34,7 +34,7 @@ def test_every_config_setting_has_an_argument():
     config = MindSpeedConfig()
     covered = set(MindSpeedTrainingArguments.config_fields().values())
     expected = {(None, "backend")} | {
-        (section, f.name) for section in ("kernels", "parallel", "memory", "checkpoints")
+        (section, f.name) for section in ("kernels", "parallel", "memory", "moe", "checkpoints")
         for f in dataclasses.fields(getattr(config, section))
     }
     assert covered == expected

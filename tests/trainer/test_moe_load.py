@@ -1,0 +1,79 @@
+"""MoE training people can watch (trainers/moe_load.py): a plain Trainer on a MoE model logs `moe/*` keys with every
+training loss, equal to a count made independently from the router outputs of the same steps (forward hooks on each
+layer's router in the test); eval forwards and recompute in backward are not counted; `moe.log_load: false` adds
+nothing and no hook."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from transformers import Trainer, TrainingArguments
+
+import mindspeed_hf
+from mindspeed_hf.config import config_from_dict
+
+FIVE = int(__import__("transformers").__version__.split(".")[0]) >= 5
+
+
+def _rows(n: int = 16) -> list[dict[str, list[int]]]:
+    rows = torch.randint(2, 120, (n, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    return [{"input_ids": r, "labels": r} for r in rows]
+
+
+def _routers(model) -> list[torch.nn.Module]:
+    """Each MoE layer's router, by what it returns (router logits, weights, top-k ids), found independently of ours."""
+    return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+
+
+def _expected(steps: list[list[torch.Tensor]], experts: int) -> list[dict[str, float]]:
+    out = []
+    for per_layer in steps:
+        counts = torch.stack([torch.bincount(ids.reshape(-1), minlength=experts).float() for ids in per_layer])
+        imbalance = (counts.max(1).values / counts.mean(1)).tolist()
+        out.append({"imbalance": [round(x, 4) for x in imbalance], "zero": (counts == 0).sum(1).tolist(),
+                    "routed": counts.sum().item() / len(per_layer)})
+    return out
+
+
+@pytest.mark.skipif(not FIVE, reason="fused experts modules: transformers >= 5")
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_logged_load_equals_a_count_from_the_router(tmp_path, recompute):
+    mindspeed_hf.enable()
+    model = tiny_model("qwen3_moe")
+    seen: list[torch.Tensor] = []
+    for router in _routers(model):  # the router's own output: (logits, top-k weights, top-k ids)
+        router.register_forward_hook(lambda m, a, out: seen.append(out[2].detach().clone()) if m.training else None)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
+                             report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True,
+                             gradient_checkpointing=recompute, eval_strategy="steps", eval_steps=2)
+    trainer = Trainer(model=model, args=args, train_dataset=_rows(), eval_dataset=_rows(4))
+    trainer.train()
+    layers = len(_routers(model))
+    forwards = [seen[i:i + layers] for i in range(0, len(seen), layers)]
+    # recompute reruns each layer's router in backward: the router sees those too, the load counts one forward
+    per_step = forwards[::2] if recompute else forwards
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 3 and len(per_step) == 3
+    for log, want in zip(logged, _expected(per_step, model.config.num_experts)):
+        got = [log[f"moe/layer_{i}/imbalance"] for i in range(layers)]
+        assert got == pytest.approx(want["imbalance"], abs=1e-4)
+        assert [log[f"moe/layer_{i}/zero_token_experts"] for i in range(layers)] == want["zero"]
+        assert log["moe/imbalance_max"] == pytest.approx(max(want["imbalance"]), abs=1e-4)
+        assert log["moe/zero_token_experts"] == sum(want["zero"])
+        assert log["moe/routed_per_layer"] == want["routed"] == 4 * 12 * model.config.num_experts_per_tok
+    assert not any(k.startswith("moe/") for h in trainer.state.log_history if "eval_loss" in h for k in h)
+
+
+def test_off_adds_nothing(tmp_path):
+    mindspeed_hf.enable(config_from_dict({"moe": {"log_load": False}}))
+    model = tiny_model("qwen3_moe")
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, logging_steps=1,
+                             report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=_rows())
+    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    trainer.train()
+    assert not any(k.startswith("moe/") for h in trainer.state.log_history for k in h)
+    mindspeed_hf.enable()
+    on = Trainer(model=tiny_model("qwen3_moe"), args=args, train_dataset=_rows())
+    assert sum(len(m._forward_pre_hooks) for m in on.model.modules()) > hooks or not FIVE
