@@ -328,6 +328,31 @@ def native_model(root: str):
         fsdp_size=world, ep_size=world))
 
 
+def _router_ids(model) -> list[torch.Tensor]:
+    """Every training forward's top-k expert ids, as each layer's router returns them (in call order)."""
+    seen: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(
+            lambda m, a, out: seen.append(out[2].detach().clone()) if m.training else None)
+    return seen
+
+
+def _expected_load(seen: list[torch.Tensor], config, accum: int) -> list[dict[str, float]]:
+    """moe/* per optimizer step from the router outputs: per layer, the step's micro-batches summed."""
+    layers, experts = config.num_hidden_layers, config.num_experts
+    per_step = layers * accum
+    out = []
+    for start in range(0, len(seen), per_step):
+        counts = torch.zeros(layers, experts)
+        for i, ids in enumerate(seen[start:start + per_step]):
+            counts[i % layers] += torch.bincount(ids.reshape(-1), minlength=experts).float()
+        ratio = (counts.max(1).values / counts.mean(1)).tolist()
+        out.append({**{f"moe/layer_{i}/imbalance": round(r, 4) for i, r in enumerate(ratio)},
+                    **{f"moe/layer_{i}/zero_token_experts": int(z) for i, z in enumerate((counts == 0).sum(1))},
+                    "moe/routed_per_layer": round(counts.sum().item() / layers, 1)})
+    return out
+
+
 def scenario_trainer(root: str, per_device: int, native: bool = False) -> dict:
     """Plain transformers.Trainer: one process without mindspeed_hf (the reference, per_device = the global batch),
     or under torchrun with EP from MINDSPEED_HF_CONFIG (`import mindspeed_hf`, nothing else changed), or (`native`)
@@ -340,8 +365,14 @@ def scenario_trainer(root: str, per_device: int, native: bool = False) -> dict:
     handler.emit = lambda record: logged.append(record.getMessage())
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    trainer, out = run(Trainer, native_model(root) if native else tiny_model("qwen3_moe"), args)
+    model = native_model(root) if native else tiny_model("qwen3_moe")
+    routed = _router_ids(model) if not dist.is_initialized() else None  # the reference counts from the routers
+    trainer, out = run(Trainer, model, args)
     out["fsdp_log"] = [line for line in logged if "FSDP2 on" in line]
+    out["moe"] = [{k: v for k, v in h.items() if k.startswith("moe/")}
+                  for h in trainer.state.log_history if "loss" in h]
+    if routed is not None:
+        out["moe_expected"] = _expected_load(routed, model.config, TRAINER["gradient_accumulation_steps"])
     params = full_params(trainer.model)
     out["params"] = {n: t.tolist() for n, t in params.items() if "experts" in n or "gate" in n}
     out["ep_modules"] = len([m for m in trainer.model.modules() if hasattr(m, "_mindspeed_ep")])

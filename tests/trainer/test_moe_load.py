@@ -77,3 +77,22 @@ def test_off_adds_nothing(tmp_path):
     mindspeed_hf.enable()
     on = Trainer(model=tiny_model("qwen3_moe"), args=args, train_dataset=_rows())
     assert sum(len(m._forward_pre_hooks) for m in on.model.modules()) > hooks or not FIVE
+
+
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "ernie4_5_moe")
+
+
+@pytest.mark.skipif(not FIVE, reason="fused experts modules: transformers >= 5")
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) for f in MOE_FAMILIES])
+def test_every_moe_family_logs_its_load(tmp_path, family):
+    mindspeed_hf.enable()
+    model = tiny_model(family)
+    config = model.config
+    top_k = getattr(config, "num_experts_per_tok", None) or config.moe_k
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, logging_steps=1,
+                             report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=_rows())
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert log["moe/routed_per_layer"] == 4 * 12 * top_k  # every token's top-k assignments, counted once
+    assert 1.0 <= log["moe/imbalance"] <= log["moe/imbalance_max"]
