@@ -338,7 +338,8 @@ def _router_ids(model) -> list[torch.Tensor]:
 
 
 def _expected_load(seen: list[torch.Tensor], config, accum: int) -> list[dict[str, float]]:
-    """moe/* per optimizer step from the router outputs: per layer, the step's micro-batches summed."""
+    """moe/* per optimizer step from the router outputs: per layer, the step's micro-batches summed (over every
+    rank)."""
     layers, experts = config.num_hidden_layers, config.num_experts
     per_step = layers * accum
     out = []
@@ -346,6 +347,8 @@ def _expected_load(seen: list[torch.Tensor], config, accum: int) -> list[dict[st
         counts = torch.zeros(layers, experts)
         for i, ids in enumerate(seen[start:start + per_step]):
             counts[i % layers] += torch.bincount(ids.reshape(-1), minlength=experts).float()
+        if dist.is_initialized():  # every rank's tokens
+            dist.all_reduce(counts)
         ratio = (counts.max(1).values / counts.mean(1)).tolist()
         out.append({**{f"moe/layer_{i}/imbalance": round(r, 4) for i, r in enumerate(ratio)},
                     **{f"moe/layer_{i}/zero_token_experts": int(z) for i, z in enumerate((counts == 0).sum(1))},
@@ -366,13 +369,12 @@ def scenario_trainer(root: str, per_device: int, native: bool = False) -> dict:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     model = native_model(root) if native else tiny_model("qwen3_moe")
-    routed = _router_ids(model) if not dist.is_initialized() else None  # the reference counts from the routers
+    routed = _router_ids(model)  # an independent count: every router's own output, on every rank
     trainer, out = run(Trainer, model, args)
     out["fsdp_log"] = [line for line in logged if "FSDP2 on" in line]
     out["moe"] = [{k: v for k, v in h.items() if k.startswith("moe/")}
                   for h in trainer.state.log_history if "loss" in h]
-    if routed is not None:
-        out["moe_expected"] = _expected_load(routed, model.config, TRAINER["gradient_accumulation_steps"])
+    out["moe_expected"] = _expected_load(routed, model.config, TRAINER["gradient_accumulation_steps"])
     params = full_params(trainer.model)
     out["params"] = {n: t.tolist() for n, t in params.items() if "experts" in n or "gate" in n}
     out["ep_modules"] = len([m for m in trainer.model.modules() if hasattr(m, "_mindspeed_ep")])
