@@ -101,8 +101,13 @@ def _expert_count(module: nn.Module) -> int:
     return int(module.gate_up_proj.shape[0])
 
 
+#: the keys of Trainer's own training log, which its loop writes on every rank at the same step (take() is collective)
+_TRAINING_LOG = ("loss", "learning_rate")
+
+
 def with_load(logs: dict[str, Any], load: ExpertLoad | None) -> dict[str, Any]:
-    """Trainer's training log (the one with the loss) with the interval's `moe/*` metrics; other logs unchanged."""
-    if load is None or "loss" not in logs:
+    """Trainer's training log (its loop's, with the loss and the learning rate) with the interval's `moe/*` metrics;
+    any other log - evaluation, the end of train(), a log a callback or script writes on one rank - unchanged."""
+    if load is None or not all(key in logs for key in _TRAINING_LOG):
         return logs
     return {**logs, **load.take()}

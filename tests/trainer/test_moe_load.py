@@ -96,3 +96,19 @@ def test_every_moe_family_logs_its_load(tmp_path, family):
     (log,) = [h for h in trainer.state.log_history if "loss" in h]
     assert log["moe/routed_per_layer"] == 4 * 12 * top_k  # every token's top-k assignments, counted once
     assert 1.0 <= log["moe/imbalance"] <= log["moe/imbalance_max"]
+
+
+@pytest.mark.skipif(not FIVE, reason="fused experts modules: transformers >= 5")
+def test_a_log_written_outside_the_training_loop_is_left_alone(tmp_path):
+    """take() is collective: only Trainer's own training log (loss and learning rate, written on every rank) reads
+    the counters; a script's or callback's log(...) on one rank gets no moe/* keys and keeps the interval's counts."""
+    mindspeed_hf.enable()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, logging_steps=1,
+                             report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
+    trainer = Trainer(model=tiny_model("qwen3_moe"), args=args, train_dataset=_rows())
+    trainer.model.train()
+    trainer.model(input_ids=torch.tensor([r["input_ids"] for r in _rows(2)]))
+    trainer.log({"loss": 1.0})
+    assert not any(k.startswith("moe/") for k in trainer.state.log_history[-1])
+    trainer.log({"loss": 1.0, "learning_rate": 0.1})
+    assert trainer.state.log_history[-1]["moe/routed_per_layer"] == 2 * 12 * 2  # the counts were kept until then
