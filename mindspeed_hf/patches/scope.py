@@ -87,7 +87,8 @@ def _enter(config: MindSpeedConfig | None, counts: dict[str, int]) -> Callable[.
     def hook(module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # traced into the graph: the config for the trace, nothing counted
             _traced.append(config if config is not None else (_traced[-1] if _traced else None))
-            registry.use_backend(None if config is None or config.backend == "auto" else config.backend)
+            registry.use_backend(registry.requested_backend() if config is None else  # None: the running one stays
+                                 None if config.backend == "auto" else config.backend)
             return
         tokens = (registry.count_into(counts),) if config is None else (
             registry.count_into(counts), _running.set(config),
