@@ -201,8 +201,8 @@ def test_a_missing_model_level_seam_is_named():
 def test_a_seam_of_one_feature_does_not_stop_enable(monkeypatch):
     import torch
 
-    monkeypatch.delattr(torch._C, "_current_autograd_node")
-    seam = next(s for s in seams.SEAMS if s.name == "torch._C._current_autograd_node")
+    monkeypatch.delattr(torch._C, "_dispatch_key_for_device")
+    seam = next(s for s in seams.SEAMS if s.name == "torch._C._dispatch_key_for_device")
     assert seam in seams.missing() and not seam.required and seams.problems() is None
 
 
