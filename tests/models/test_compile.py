@@ -23,8 +23,18 @@ def _ids(seed: int = 0) -> torch.Tensor:
     return torch.randint(2, 120, (2, 12), generator=torch.Generator().manual_seed(seed))
 
 
+def _skip_where_hf_runs_the_experts(model) -> None:
+    """transformers 5.0 .. 5.9 accept only their own experts implementations: there HF's runs, and its backward
+    (transformers::grouped_mm_fallback) does not trace on CPU - nothing of ours to test."""
+    from mindspeed_hf.parallel import find_fused_experts
+
+    if find_fused_experts(model) and compat.experts_registry() is None:
+        pytest.skip("HF's own experts implementation runs on this release (ours needs transformers >= 5.10)")
+
+
 def _step(family: str, compiled: bool):
     model = tiny_model(family)
+    _skip_where_hf_runs_the_experts(model)
     model.train()
     ids = _ids()
     with torch.no_grad():  # transformers installs its output-capturing hooks on the first call, under a lock that
@@ -57,6 +67,7 @@ def test_a_compiled_forward_generates_the_same_tokens(family):
     mindspeed_hf.enable()
     torch._dynamo.reset()
     model = tiny_model(family).eval()
+    _skip_where_hf_runs_the_experts(model)
     prompt = _ids()[:1]
     want = model.generate(prompt, max_new_tokens=5, do_sample=False, cache_implementation="static")
     model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
