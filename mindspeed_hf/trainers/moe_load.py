@@ -2,7 +2,7 @@
 
 A forward pre-hook on each fused experts module (transformers >= 5: `gate_up_proj` / `down_proj` [E, ...], called
 with the router's `top_k_index`) adds the tokens routed to each expert in that training forward to a device counter
-(one bincount per layer, no host read). When Trainer logs the training loss, the counters of the interval are summed
+(one scatter-add per layer, no host read). When Trainer logs the training loss, the counters of the interval are summed
 over every rank (each sees its own tokens; ranks that see the same tokens, tensor parallelism, scale every count
 alike, which leaves the ratios below unchanged), turned into `moe/*` keys and reset:
 
@@ -12,6 +12,7 @@ alike, which leaves the ratios below unchanged), turned into `moe/*` keys and re
 - `moe/routed_per_layer`: (token, expert) assignments per layer in the interval (tokens x top-k, over all ranks).
 
 Under expert parallelism the hook sees the router's global expert ids before dispatch, so the counts are global too.
+A forward traced by torch.compile is not counted (its graph runs no Python).
 `moe.log_load: false` switches it off (no hooks at all).
 """
 
@@ -51,15 +52,17 @@ class ExpertLoad:
 
     def _counter(self, index: int, experts: int):
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not module.training or compat.current_autograd_node() is not None:  # eval, or recompute in backward
+            # not: eval, a recompute in backward, or a forward traced by torch.compile (its graph runs no Python)
+            if not module.training or torch.compiler.is_compiling() or compat.current_autograd_node() is not None:
                 return
             top_k_index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
             if top_k_index is None:
                 return
-            routed = top_k_index.reshape(-1)
-            counts = torch.bincount(routed[routed < experts], minlength=experts)  # HF's EP sentinel ids dropped
+            routed = top_k_index.reshape(-1).clamp(max=experts)  # HF's EP sentinel ids into an extra slot
             held = self.layers[index]
-            self.layers[index] = counts if held is None else held + counts
+            if held is None:
+                held = self.layers[index] = torch.zeros(experts + 1, dtype=torch.int64, device=routed.device)
+            held.scatter_add_(0, routed, torch.ones_like(routed))  # no host read (a bincount sizes itself on it)
 
         return count
 
@@ -69,7 +72,7 @@ class ExpertLoad:
         counted = [c for c in self.layers if c is not None]
         if not counted:
             return {}
-        counts = torch.stack([c.float() for c in counted])  # [layers, experts]
+        counts = torch.stack([c[:-1].float() for c in counted])  # [layers, experts], the sentinel slot dropped
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(counts)
         self.layers = [None] * len(self.layers)
