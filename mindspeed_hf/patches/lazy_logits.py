@@ -115,9 +115,14 @@ def deferred_logits(lm_head: torch.nn.Module, hidden_states: torch.Tensor,
             logits = lm_head(hidden_states)
             return finish(logits) if finish is not None else logits
 
-    with torch.no_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
-        # what make() will return, from one position: its dtype, device and width, for the cost of one row
-        probe = lm_head(hidden_states.reshape(-1, hidden_states.shape[-1])[:1])
-        probe = finish(probe) if finish is not None else probe
-    return DeferredLogits(make, (*hidden_states.shape[:-1], probe.shape[-1]), probe.dtype, probe.device,
+    if type(lm_head) is torch.nn.Linear:  # what make() will return, known without running it
+        width, dtype, on = lm_head.out_features, autocast_dtype or hidden_states.dtype, hidden_states.device
+    else:  # a wrapped head (PEFT, quantized): run it on one position, its random state kept (dropout)
+        with torch.no_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast), \
+                torch.random.fork_rng(devices=[hidden_states.device] if device in ("cuda", "npu") else [],
+                                      device_type=device if device in ("cuda", "npu") else "cuda"):
+            probe = lm_head(hidden_states.reshape(-1, hidden_states.shape[-1])[:1])
+            probe = finish(probe) if finish is not None else probe
+        width, dtype, on = probe.shape[-1], probe.dtype, probe.device
+    return DeferredLogits(make, (*hidden_states.shape[:-1], width), dtype, on,
                           grad and (hidden_states.requires_grad or any(p.requires_grad for p in lm_head.parameters())))

@@ -112,3 +112,26 @@ def test_explicit_skip_logits_false_takes_hf_path(made, monkeypatch):
     model = tiny_model("qwen3")
     outputs = model(**_batch(), skip_logits=False)
     assert type(outputs.logits) is torch.Tensor and not calls
+
+
+def test_a_wrapped_head_defers_too(made):
+    """A PEFT LoRA on lm_head (not an nn.Linear: its output metadata is probed on one position, its random state
+    kept): the logits and the gradients a loss on them sends into the adapter equal PEFT on plain HF."""
+    from peft import LoraConfig, get_peft_model
+
+    def run(accelerated):
+        (mindspeed_hf.enable if accelerated else mindspeed_hf.disable)()
+        model = get_peft_model(tiny_model("qwen3"), LoraConfig(r=4, target_modules=["lm_head", "q_proj"],
+                                                                lora_dropout=0.0, init_lora_weights=False))
+        model.train()
+        torch.manual_seed(5)
+        outputs = model(**_batch())
+        (outputs.loss + 1e-2 * outputs.logits.float().logsumexp(-1).pow(2).mean()).backward()
+        state = torch.get_rng_state()
+        return outputs, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, state
+
+    hf_out, hf_grads, hf_rng = run(False)
+    out, grads, rng = run(True)
+    assert made == [(2, 12, 128)] and torch.equal(rng, hf_rng)
+    torch.testing.assert_close(out.logits.detach(), hf_out.logits.detach(), atol=1e-5, rtol=0)
+    _close(grads, hf_grads)
