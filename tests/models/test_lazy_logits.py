@@ -135,3 +135,19 @@ def test_a_wrapped_head_defers_too(made):
     assert made == [(2, 12, 128)] and torch.equal(rng, hf_rng)
     torch.testing.assert_close(out.logits.detach(), hf_out.logits.detach(), atol=1e-5, rtol=0)
     _close(grads, hf_grads)
+
+
+@pytest.mark.skipif(not __import__("transformers").__version__.startswith("5"), reason="the VL families: >= 5")
+def test_a_vision_language_forward_defers_its_logits(made):
+    from tiny_vlms import tiny_vlm, vlm_batch
+
+    results = {}
+    for accelerated in (False, True):
+        (mindspeed_hf.enable if accelerated else mindspeed_hf.disable)()
+        model = tiny_vlm("qwen2_5_vl").train()
+        outputs = model(**vlm_batch(model))
+        results[accelerated] = outputs
+    assert isinstance(results[True].logits, DeferredLogits) and made == []
+    assert abs(results[True].loss.item() - results[False].loss.item()) <= 1e-5
+    torch.testing.assert_close(results[True].logits.detach(), results[False].logits.detach(), atol=1e-5, rtol=0)
+    assert len(made) == 1
