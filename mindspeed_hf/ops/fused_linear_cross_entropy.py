@@ -93,6 +93,32 @@ def chunk_cross_entropy_npu(
 
 
 # ------------------------------------------------------------------------------------- local-weight Function
+def _chunk_step(h, t, weight, bias, softcap, kernel, inv_divisor, want_grad, grad_h, grad_w, grad_b) -> torch.Tensor:
+    """One chunk of `_ChunkedLinearCE`: its loss sum, with its gradients written into grad_h (this chunk's rows)
+    and accumulated into grad_w / grad_b."""
+    z = F.linear(h, weight, bias)  # model dtype, like HF's lm_head
+    tanh = None
+    if softcap is not None:
+        tanh = z.div_(softcap).tanh_()  # in the logits dtype, as HF's forward does it
+        z = tanh * softcap
+    chunk_loss, g = kernel(z.float(), t, inv_divisor)  # .float(): no copy for fp32
+    if not want_grad:
+        return chunk_loss
+    if tanh is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
+        g.mul_(tanh.float().square_().neg_().add_(1.0))
+    g = g.to(h.dtype)
+    if grad_h is not None:
+        torch.mm(g, weight, out=grad_h)
+    if grad_w is not None:
+        if g.dtype == torch.float32:
+            grad_w.addmm_(g.t(), h)
+        else:
+            grad_w += torch.mm(g.t(), h).float()
+    if grad_b is not None:
+        grad_b += g.float().sum(0)
+    return chunk_loss
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """loss_sum / divisor for rows `hidden` [n, H] (all targets valid) with grads computed in the forward."""
 
@@ -110,30 +136,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk_size):
-            h = hidden[start : start + chunk_size]
-            t = target[start : start + chunk_size]
-            z = F.linear(h, weight, bias)  # model dtype, like HF's lm_head
-            tanh = None
-            if softcap is not None:
-                tanh = z.div_(softcap).tanh_()  # in the logits dtype, as HF's forward does it
-                z = tanh * softcap
-            logits = z.float()  # no copy for fp32
-            chunk_loss, g = kernel(logits, t, inv_divisor)
-            loss_sum += chunk_loss
-            if not want_grad:
-                continue
-            if tanh is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
-                g.mul_(tanh.float().square_().neg_().add_(1.0))
-            g = g.to(hidden.dtype)
-            if grad_h is not None:
-                torch.mm(g, weight, out=grad_h[start : start + chunk_size])
-            if grad_w is not None:
-                if g.dtype == torch.float32:
-                    grad_w.addmm_(g.t(), h)
-                else:
-                    grad_w += torch.mm(g.t(), h).float()
-            if grad_b is not None:
-                grad_b += g.float().sum(0)
+            # one function call per chunk: its [chunk, vocab] block is freed before the next one is made
+            loss_sum += _chunk_step(hidden[start : start + chunk_size], target[start : start + chunk_size], weight,
+                                    bias, softcap, kernel, inv_divisor, want_grad,
+                                    None if grad_h is None else grad_h[start : start + chunk_size], grad_w, grad_b)
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss_sum / divisor
