@@ -10,10 +10,12 @@ subprocess (MINDSPEED_HF_AUTO=0 in both):
 Peak memory is the subprocess's resident-set high-water mark (ru_maxrss), so it includes the interpreter, torch,
 weights, gradients and AdamW state; step time is the median of the steps after the first.
 
-    python benchmarks/bench_fused_loss.py [--repeats 2] [--sweep 128,256,512,1024] [--loop] [--out results.md]
+    python benchmarks/bench_fused_loss.py [--repeats 2] [--sweep 128,256,512,1024] [--loop [--fsdp 2]] [--out F]
 
 --loop: a custom training loop (`model(**batch).loss.backward()`, the same AdamW steps) instead of Trainer: outside
 Trainer nothing marks the forward, and the logits are made on first read (never, here).
+--fsdp N: that loop under FSDP2 on N CPU processes (torchrun, gloo; `fully_shard` on every decoder layer and on the
+model, as a user's own loop does), the same global batch split over the ranks; peak memory is the largest rank's.
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "fused_loss_cpu.md"
 LOOP_RESULT = ROOT / "benchmarks" / "results" / "fused_loss_loop_cpu.md"
+FSDP_RESULT = ROOT / "benchmarks" / "results" / "fused_loss_loop_fsdp_cpu.md"
 SHAPE = dict(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False)
 BATCH, SEQ, STEPS = 2, 1024, 3
 
 
-def worker(variant: str, chunk: int, threads: int, loop: bool = False) -> dict:
+def worker(variant: str, chunk: int, threads: int, loop: bool = False, fsdp: int = 0) -> dict:
     """One measured run in this process, through transformers.Trainer (`loop`: a custom training loop, the same
-    AdamW steps); returns its numbers."""
+    AdamW steps; `fsdp`: that loop as one of that many FSDP2 ranks); returns its numbers."""
     import tempfile
 
     import torch
@@ -71,9 +74,11 @@ def worker(variant: str, chunk: int, threads: int, loop: bool = False) -> dict:
     if loop:  # `model(**batch).loss.backward()`: nothing reads the logits, nothing marks the forward for us
         import torch.utils.data
 
+        rank = _shard(model) if fsdp else 0
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        per = BATCH // (fsdp or 1)
         loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, collate_fn=lambda b: {
-            k: torch.tensor([r[k] for r in b]) for k in b[0]})
+            k: torch.tensor([r[k] for r in b[rank * per:(rank + 1) * per]]) for k in b[0]})
         rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         model.train()
         for batch in loader:
@@ -82,9 +87,11 @@ def worker(variant: str, chunk: int, threads: int, loop: bool = False) -> dict:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            losses.append(_across_ranks(loss.detach(), "avg") if fsdp else loss.item())
             times.append(time.perf_counter() - start)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if fsdp:  # the largest rank's
+            peak, rss_init = (int(_across_ranks(torch.tensor(float(v)), "max")) for v in (peak, rss_init))
         return {"variant": variant, "chunk": chunk, "threads": torch.get_num_threads(), "losses": losses,
                 "times": times, "peak_bytes": peak * 1024, "init_bytes": rss_init * 1024}
 
@@ -102,15 +109,37 @@ def worker(variant: str, chunk: int, threads: int, loop: bool = False) -> dict:
             "times": times, "peak_bytes": peak * 1024, "init_bytes": rss_init * 1024}
 
 
-def run_worker(variant: str, chunk: int, threads: int, loop: bool = False) -> dict:
+def _shard(model) -> int:
+    """FSDP2 as a user's loop applies it (every decoder layer, then the model) on a gloo group; returns the rank."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return dist.get_rank()
+
+
+def _across_ranks(value, op: str) -> float:
+    import torch.distributed as dist
+
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return value.item() / (1 if op == "max" else dist.get_world_size())
+
+
+def run_worker(variant: str, chunk: int, threads: int, loop: bool = False, fsdp: int = 0) -> dict:
     path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     env = {**os.environ, "MINDSPEED_HF_AUTO": "0", "PYTHONPATH": path}
-    cmd = [sys.executable, __file__, "--worker", variant, "--chunk", str(chunk), "--threads", str(threads),
-           *(["--loop"] if loop else [])]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={fsdp}"] if fsdp \
+        else [sys.executable]
+    cmd = [*launch, __file__, "--worker", variant, "--chunk", str(chunk), "--threads", str(threads),
+           *(["--loop"] if loop else []), *(["--fsdp", str(fsdp)] if fsdp else [])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} worker failed:\n{done.stderr[-4000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
     print(json.dumps(result), file=sys.stderr, flush=True)  # progress, and the raw numbers
     return result
 
@@ -154,17 +183,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="plain/fused pairs, run alternately")
     parser.add_argument("--sweep", default="", help="comma-separated chunk sizes to time as extra fused runs")
     parser.add_argument("--loop", action="store_true", help="a custom training loop instead of Trainer")
-    parser.add_argument("--out", default=None, help=f"default {RESULT} ({LOOP_RESULT} with --loop)")
+    parser.add_argument("--fsdp", type=int, default=0, help="--loop under FSDP2 on this many CPU processes")
+    parser.add_argument("--out", default=None, help=f"default {RESULT} ({LOOP_RESULT} with --loop, {FSDP_RESULT} "
+                        "with --fsdp)")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.chunk, args.threads, args.loop)))
+        result = worker(args.worker, args.chunk, args.threads, args.loop, args.fsdp)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(result))
         return
-    args.out = args.out or str(LOOP_RESULT if args.loop else RESULT)
+    if args.fsdp and not args.loop:
+        parser.error("--fsdp measures the custom loop: add --loop")
+    args.out = args.out or str(FSDP_RESULT if args.fsdp else LOOP_RESULT if args.loop else RESULT)
 
     plain, fused = [], []
     for _ in range(args.repeats):  # alternate so that load from other processes hits both alike
-        plain.append(run_worker("plain", 0, args.threads, args.loop))
-        fused.append(run_worker("fused", args.chunk, args.threads, args.loop))
+        plain.append(run_worker("plain", 0, args.threads, args.loop, args.fsdp))
+        fused.append(run_worker("fused", args.chunk, args.threads, args.loop, args.fsdp))
     for run in plain[1:] + fused[1:]:
         assert run["losses"] == (plain if run["variant"] == "plain" else fused)[0]["losses"], "not deterministic"
     text = table(plain, fused)
@@ -179,8 +214,9 @@ def main() -> None:
         f"Qwen3 architecture: {SHAPE['num_hidden_layers']} layers, vocab {SHAPE['vocab_size']}, hidden "
         f"{SHAPE['hidden_size']}, intermediate {SHAPE['intermediate_size']}, {SHAPE['num_attention_heads']} heads x "
         f"{SHAPE['head_dim']} ({SHAPE['num_key_value_heads']} KV), untied lm_head; batch {BATCH} x {SEQ} tokens, "
-        f"AdamW, {STEPS} {'custom-loop' if args.loop else 'Trainer'} steps, {args.repeats} plain/fused subprocess "
-        f"pairs run alternately; torch threads "
+        f"AdamW, {STEPS} {'custom-loop' if args.loop else 'Trainer'} steps"
+        f"{f' under FSDP2 on {args.fsdp} processes (peak: the largest rank)' if args.fsdp else ''}, "
+        f"{args.repeats} plain/fused subprocess pairs run alternately; torch threads "
         f"{plain[0]['threads']}; fused chunk {chunk} rows. Peak memory is ru_maxrss of each subprocess (interpreter, "
         "weights, grads and AdamW state included). The machine's 2 cores are shared with other jobs, so step "
         "times of identical runs vary (see the spread row); peak memory and losses do not.",

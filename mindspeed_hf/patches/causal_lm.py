@@ -21,8 +21,9 @@ kept hidden states through the real lm_head); under `always` skipped in every tr
 setting when used. A caller's explicit `skip_logits=True` skips them in eval too (Trainer passes it with
 `use_liger_kernel`), `skip_logits=False` takes HF's path. A model whose `loss_function` is not HF's
 `ForCausalLMLoss` (custom `loss_type` or `model.loss_function = ...`) keeps the full-logits path, since the fused op
-only implements that loss; so does a forward whose lm_head is sharded or gathered around the forward itself (any
-torch.distributed run, DeepSpeed ZeRO-3) or traced by torch.compile, where it could not be called again later.
+only implements that loss; so does a forward whose lm_head is sharded or gathered around the forward itself
+(tensor-parallel DTensors, DeepSpeed ZeRO-3) or traced by torch.compile, where it could not be called again later
+(DDP and FSDP2 keep the head's weights as they were until the backward: deferred there too).
 `**kwargs` is kept, so Trainer still sees a model that accepts loss kwargs and passes `num_items_in_batch`.
 
 TRL's SFTTrainer wraps `model.forward` on the instance (`trl.trainer.utils.add_fused_lm_head`): its

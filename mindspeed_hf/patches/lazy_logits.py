@@ -9,9 +9,13 @@ it, and runs the operation on them; a loss built on them backpropagates into the
 again, the same tensor is used. A cast (`.float()`, `.to(dtype)`, what accelerate's mixed-precision output conversion
 does to every output) returns another deferred tensor, so that conversion builds nothing either.
 
-Deferred only where the lm_head can be called again after the forward as it was inside it: one process (DDP, FSDP,
-tensor parallelism and DeepSpeed gather or shard the weights around the forward itself) and not while torch.compile
-traces; elsewhere the forward builds the logits as HF does.
+Deferred only where the lm_head can be called again after the forward as it was inside it: its parameters are plain
+local tensors (not tensor-parallel DTensors, not DeepSpeed ZeRO-3 partitions) and torch.compile is not tracing;
+elsewhere the forward builds the logits as HF does. Under DDP and FSDP2 (whose root and our lm_head group stay
+unsharded from the forward until their backward) the head is called then as in one process. A read after the
+lm_head's parameters changed - an optimizer step updated them, FSDP resharded them after the backward - cannot give
+that forward's logits any more: it raises an error naming the two ways out (read before, or skip_logits: never)
+instead of returning other numbers.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ __all__ = ["DeferredLogits", "can_defer", "deferred_logits"]
 
 _METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
              torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,
-             torch.Tensor.is_cuda.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
-             torch.Tensor.is_floating_point, torch.Tensor.__len__}
+             torch.Tensor.is_cuda.__get__, torch.Tensor._base.__get__, torch.Tensor.size, torch.Tensor.dim,
+             torch.Tensor.numel, torch.Tensor.is_floating_point, torch.Tensor.__len__}
 _CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16,
           torch.Tensor.double: torch.float64}
 
@@ -39,14 +43,23 @@ class DeferredLogits(torch.Tensor):
     def __new__(cls, make: Callable[[], torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
                 device: torch.device, requires_grad: bool) -> DeferredLogits:
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
-        self._make, self._value = make, None
+        self._make, self._value, self._hooks = make, None, []
         return self
 
     def materialize(self) -> torch.Tensor:
         """HF's logits (computed now if they were not yet)."""
         if self._value is None:
             self._value, self._make = self._make(), None
+            for hook in self._hooks:
+                hook.attach(self._value)
         return self._value
+
+    def _register_hook(self, hook: Callable) -> _PendingHook:
+        """`register_hook` before the logits exist (FSDP2 and DDP hook every output of a forward): kept and attached
+        when they are made, since a gradient can only reach the logits through the made tensor."""
+        pending = _PendingHook(hook, self._hooks)
+        self._hooks.append(pending)
+        return pending
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return repr(self.materialize())
@@ -59,6 +72,8 @@ class DeferredLogits(torch.Tensor):
             if func in _METADATA:
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **kwargs)
+            if func is torch.Tensor.register_hook:
+                return first._register_hook(*args[1:], **kwargs)
             dtype = _cast_dtype(func, args, kwargs)
             if dtype is not None:
                 return first if dtype == first.dtype else _cast(first, dtype)
@@ -70,6 +85,22 @@ class DeferredLogits(torch.Tensor):
         # reached only by code that bypasses __torch_function__: the operation runs on the computed logits
         args, kwargs = tree_map(_real, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+class _PendingHook:
+    """The handle `register_hook` returns for logits not made yet: attached to them when they are made."""
+
+    def __init__(self, hook: Callable, pending: list) -> None:
+        self._hook, self._pending, self._handle = hook, pending, None
+
+    def attach(self, tensor: torch.Tensor) -> None:
+        self._handle = tensor.register_hook(self._hook) if tensor.requires_grad else None
+
+    def remove(self) -> None:
+        if self in self._pending:
+            self._pending.remove(self)
+        if self._handle is not None:
+            self._handle.remove()
 
 
 def _real(value: Any) -> Any:
@@ -92,13 +123,43 @@ def _cast(source: DeferredLogits, dtype: torch.dtype) -> DeferredLogits:
 
 def can_defer(lm_head: torch.nn.Module) -> bool:
     """True where the lm_head can be called again after the forward, as it was inside it (module docstring)."""
-    import torch.distributed as dist
-
-    if torch.compiler.is_compiling() or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if torch.compiler.is_compiling():
         return False
-    weight = getattr(lm_head, "weight", None)
-    return isinstance(weight, torch.Tensor) and type(weight) in (torch.Tensor, torch.nn.Parameter) and \
-        not hasattr(weight, "ds_id")  # DeepSpeed ZeRO-3 gathers it around the module's own forward
+    params = list(lm_head.parameters())
+    return bool(params) and all(type(p) in (torch.Tensor, torch.nn.Parameter) and not hasattr(p, "ds_id")
+                                for p in params) and \
+        not any(_is_fsdp(m) for m in lm_head.modules() if m is not lm_head)  # a sharded part: hooks of its own
+
+
+def _is_fsdp(module: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _head(lm_head: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How to call the lm_head again: as a module, or, where it is an FSDP2 group of its own (unsharded from its
+    forward until its post-backward), through its forward without FSDP's hooks, which already ran for this
+    forward and would register its gradient reduction a second time."""
+    return lm_head.forward if _is_fsdp(lm_head) else lm_head
+
+
+def _state(lm_head: torch.nn.Module) -> list[tuple[int, int, int, int] | None]:
+    """What identifies the lm_head's parameter values: each parameter object, its in-place version and its storage
+    (None for a parameter that is no plain tensor any more: FSDP put its sharded DTensor back)."""
+    return [(id(p), p._version, p.untyped_storage().data_ptr(), p.untyped_storage().nbytes())
+            if type(p) in (torch.Tensor, torch.nn.Parameter) else None for p in lm_head.parameters()]
+
+
+def _stale_error() -> RuntimeError:
+    return RuntimeError(
+        "mindspeed_hf: outputs.logits was first read after the lm_head's parameters changed (an optimizer step, or "
+        "FSDP resharding them after the backward), so the logits of that forward cannot be made any more (the fused "
+        "loss computed its loss without them); read outputs.logits before loss.backward() / optimizer.step(), or set "
+        "kernels.skip_logits: never (MINDSPEED_HF_KERNELS_SKIP_LOGITS, --mindspeed_skip_logits) to have the forward "
+        "build them as HF does")
 
 
 def deferred_logits(lm_head: torch.nn.Module, hidden_states: torch.Tensor,
@@ -110,9 +171,13 @@ def deferred_logits(lm_head: torch.nn.Module, hidden_states: torch.Tensor,
     autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda", "npu") else False
     autocast_dtype = torch.get_autocast_dtype(device) if autocast else None
 
+    state, head = _state(lm_head), _head(lm_head)
+
     def make() -> torch.Tensor:
+        if _state(lm_head) != state:
+            raise _stale_error()
         with torch.set_grad_enabled(grad), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
-            logits = lm_head(hidden_states)
+            logits = head(hidden_states)
             return finish(logits) if finish is not None else logits
 
     if type(lm_head) is torch.nn.Linear:  # what make() will return, known without running it
@@ -121,7 +186,7 @@ def deferred_logits(lm_head: torch.nn.Module, hidden_states: torch.Tensor,
         with torch.no_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast), \
                 torch.random.fork_rng(devices=[hidden_states.device] if device in ("cuda", "npu") else [],
                                       device_type=device if device in ("cuda", "npu") else "cuda"):
-            probe = lm_head(hidden_states.reshape(-1, hidden_states.shape[-1])[:1])
+            probe = head(hidden_states.reshape(-1, hidden_states.shape[-1])[:1])
             probe = finish(probe) if finish is not None else probe
         width, dtype, on = probe.shape[-1], probe.dtype, probe.device
     return DeferredLogits(make, (*hidden_states.shape[:-1], width), dtype, on,

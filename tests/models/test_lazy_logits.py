@@ -21,9 +21,11 @@ def made(monkeypatch) -> list[tuple[int, ...]]:
     original = DeferredLogits.materialize
 
     def counting(self):
-        if self._value is None:
+        first = self._value is None
+        value = original(self)
+        if first:
             shapes.append(tuple(self.shape))
-        return original(self)
+        return value
 
     monkeypatch.setattr(DeferredLogits, "materialize", counting)
     return shapes
@@ -151,3 +153,21 @@ def test_a_vision_language_forward_defers_its_logits(made):
     assert abs(results[True].loss.item() - results[False].loss.item()) <= 1e-5
     torch.testing.assert_close(results[True].logits.detach(), results[False].logits.detach(), atol=1e-5, rtol=0)
     assert len(made) == 1
+
+
+def test_a_first_read_after_the_optimizer_step_is_refused_not_wrong(made):
+    """After the backward (weights unchanged) the logits are HF's; once an optimizer step changed the lm_head they
+    cannot be that forward's any more: a first read then raises the error naming the way out, not other numbers."""
+    mindspeed_hf.disable()
+    hf = tiny_model("qwen3").train()(**_batch())
+    mindspeed_hf.enable()
+    model = tiny_model("qwen3").train()
+    outputs = model(**_batch())
+    outputs.loss.backward()
+    torch.testing.assert_close(outputs.logits.detach(), hf.logits.detach(), atol=1e-5, rtol=0)
+    later = model(**_batch(seed=1))
+    later.loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with pytest.raises(RuntimeError, match="kernels.skip_logits: never"):
+        later.logits.argmax(-1)
+    assert made == [(2, 12, 128)]
