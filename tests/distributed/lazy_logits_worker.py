@@ -3,9 +3,9 @@
 Rank 0 first runs plain Hugging Face (mindspeed_hf disabled) on the global batch, then every rank enables
 mindspeed_hf and runs the same steps data-parallel under FSDP2, in two shardings:
   user: `fully_shard` on every decoder layer and on the model, as a user's own loop does;
-  ours: mindspeed_hf.parallel.apply_fsdp (final norm + lm_head as their own group).
-`user` reads only the loss (the logits must never be built); `ours` adds a term built on `outputs.logits` before
-the backward (they are built once, with HF's gradients). Afterwards a first read of logits whose forward is
+  ours: mindspeed_hf.parallel.apply_fsdp (final norm + lm_head as their own group);
+and once under DDP. `user` reads only the loss (the logits must never be built); `ours` and `ddp` add a term built on
+`outputs.logits` before the backward (they are built once, with HF's gradients). Afterwards a first read of logits whose forward is
 behind an optimizer step must raise the error that names the way out. Rank 0 writes the report to --out.
 """
 
@@ -60,6 +60,8 @@ def _sharded(kind: str, read: bool, rank: int, world: int, made: list) -> dict:
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+    elif kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
     else:
         dims = ParallelDims(world_size=world)
         apply_fsdp(model, fsdp_mesh(dims.build_mesh("cpu"), dims))
@@ -76,6 +78,7 @@ def _sharded(kind: str, read: bool, rank: int, world: int, made: list) -> dict:
         stale = "no error"
     except RuntimeError as err:
         stale = str(err)
+    model = model.module if kind == "ddp" else model
     return {"losses": losses, "deferred": deferred, "made": list(made), "stale": stale, "params": full_params(model)}
 
 
@@ -98,7 +101,7 @@ def main() -> None:
 
     DeferredLogits.materialize = counting
     report = {}
-    for kind, read in (("user", False), ("ours", True)):
+    for kind, read in (("user", False), ("ours", True), ("ddp", True)):
         ref_losses, ref_params = _reference(read) if rank == 0 else (None, None)
         mindspeed_hf.enable()
         made.clear()

@@ -1,4 +1,4 @@
-"""A custom training loop under FSDP2 (2 ranks, gloo): the fused loss with logits made on first read equals plain HF in
+"""A custom training loop under FSDP2 and DDP (2 ranks, gloo): the fused loss with logits made on first read equals plain HF in
 one process (losses 1e-5 per step, parameters after 3 AdamW steps), builds no logits when only the loss is read,
 builds them once with HF's gradients when a loss term reads them, and refuses a read behind an optimizer step."""
 
@@ -23,8 +23,9 @@ def test_a_loop_that_reads_only_the_loss_builds_no_logits_under_fsdp2(report):
     assert run["loss_diff"] <= 1e-5 and run["param_diff"] < 1e-4, run  # 3 AdamW steps at lr 1e-2, as test_fsdp
 
 
-def test_a_loss_term_on_the_logits_gets_hf_gradients_under_fsdp2(report):
-    run = report["ours"]
+@pytest.mark.parametrize("kind", ["ours", "ddp"])
+def test_a_loss_term_on_the_logits_gets_hf_gradients_under_fsdp2_and_ddp(report, kind):
+    run = report[kind]
     assert run["deferred"] and run["made"] == [[2, 16, 131]] * 3  # once per step, this rank's rows
     assert run["loss_diff"] <= 1e-5 and run["param_diff"] < 1e-4, run
 
