@@ -146,3 +146,79 @@ def packed_vlm_batch(model, seed: int = 3) -> dict[str, torch.Tensor]:
         packed["position_ids"] = torch.cat([text_positions.unsqueeze(0), rope])
         packed.update({k: v[keep].unsqueeze(0) for k, v in extra.items()})
     return {**packed, "use_cache": False}
+
+
+# ------------------------------------------------------------------------------------- rows for packing tests
+
+# Images per row, cycled over the rows: grids of different shapes, rows with none and with two.
+ROW_IMAGES = (((1, 4, 4),), ((1, 8, 8), (1, 4, 8)), (), ((1, 8, 4),))
+# Rows with videos (cycled with the image rows when videos are asked for): (t, h, w) of each video.
+ROW_VIDEOS = (((2, 4, 4),), (), ((2, 4, 8),), ())
+_PATCH = 3 * 2 * 4 * 4  # in_channels * temporal_patch_size * patch_size^2
+
+
+def _video_tokens(model_type: str, grid: tuple[int, int, int], gen: torch.Generator) -> list[int]:
+    """A video's placeholder tokens: one run (Qwen2-VL, Qwen2.5-VL), or one run per temporal patch after a
+    timestamp text token (Qwen3-VL's processor)."""
+    t, h, w = grid
+    if model_type.startswith("qwen3_vl"):
+        frame = [START] + [VIDEO] * (h * w // 4) + [END]
+        return [token for _ in range(t) for token in [int(torch.randint(3, 240, (1,), generator=gen)), *frame]]
+    return [START] + [VIDEO] * (t * h * w // 4) + [END]
+
+
+def vlm_rows(model, count: int = 16, videos: bool = False, seed: int = 5) -> list[dict]:
+    """`count` unpadded rows (a processor's output per example): input_ids, labels (-100 on vision tokens),
+    mm_token_type_ids (when the model takes them) and each row's own vision tensors. Images of different grids,
+    rows without any; with `videos`, videos too (and Qwen2.5-VL's second_per_grid_ts)."""
+    model_type = model.config.model_type
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for index in range(count):
+        images = ROW_IMAGES[index % len(ROW_IMAGES)]
+        clips = ROW_VIDEOS[index % len(ROW_VIDEOS)] if videos else ()
+        ids = torch.randint(3, 240, (3 + index % 5,), generator=gen).tolist()
+        for grid in images:
+            ids += [START] + [IMAGE] * (grid[0] * grid[1] * grid[2] // 4) + [END]
+            ids += torch.randint(3, 240, (2 + index % 3,), generator=gen).tolist()
+        for grid in clips:
+            ids += _video_tokens(model_type, grid, gen) + torch.randint(3, 240, (3,), generator=gen).tolist()
+        input_ids = torch.tensor(ids)
+        vision = (input_ids == IMAGE) | (input_ids == VIDEO) | (input_ids == START) | (input_ids == END)
+        row = {"input_ids": ids, "labels": input_ids.masked_fill(vision, -100).tolist()}
+        if _accepts(model, "mm_token_type_ids"):
+            row["mm_token_type_ids"] = ((input_ids == IMAGE).long() + 2 * (input_ids == VIDEO).long()).tolist()
+        if images:
+            grid = torch.tensor(images)
+            row["image_grid_thw"] = grid
+            row["pixel_values"] = torch.randn(int(grid.prod(-1).sum()), _PATCH, generator=gen)
+        if clips:
+            grid = torch.tensor(clips)
+            row["video_grid_thw"] = grid
+            row["pixel_values_videos"] = torch.randn(int(grid.prod(-1).sum()), _PATCH, generator=gen)
+            if _accepts(model, "second_per_grid_ts"):
+                row["second_per_grid_ts"] = torch.tensor([0.5 + index % 3] * len(clips))
+        rows.append(row)
+    return rows
+
+
+def pad_rows(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """A plain padding collator: the rows right-padded to one length with an attention mask (labels -100 and
+    token type 0 on padding), the vision tensors concatenated in row order."""
+    length = max(len(row["input_ids"]) for row in rows)
+    batch = {"input_ids": torch.zeros(len(rows), length, dtype=torch.long),
+             "labels": torch.full((len(rows), length), -100), "attention_mask": torch.zeros(len(rows), length,
+                                                                                           dtype=torch.long)}
+    if "mm_token_type_ids" in rows[0]:
+        batch["mm_token_type_ids"] = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        batch["attention_mask"][i, :n] = 1
+        for key in ("input_ids", "labels", "mm_token_type_ids"):
+            if key in batch:
+                batch[key][i, :n] = torch.as_tensor(row[key])
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        parts = [row[key] for row in rows if key in row]
+        if parts:
+            batch[key] = torch.cat(parts)
+    return batch

@@ -5,6 +5,8 @@ fused chunked loss on XForConditionalGeneration heads, and the split of report()
   "flash"-name test for its varlen branch never matters: the model keeps an attention name registered with a mask
   function ("mindspeed"), the text attention keeps its padding mask, and the vision attention sends the packed
   patches of every image (or every Qwen2.5-VL window) to ops.vision_attention in one call.
+- Packed rows (mindspeed_hf.data.FlatteningCollator): every document gets its own M-RoPE positions from HF's
+  get_rope_index, and HF's packed (block-diagonal) mask (packed_positions.py).
 - Fused loss: HF's head forward runs as is (vision tower, deepstack, mRoPE positions and rope_deltas, MoE router
   logits, output types: all the release's own) with `labels=None` while `lm_head` passes the hidden states through;
   the loss is then the chunked fused linear cross-entropy on the real lm_head, with `shift_labels`,
@@ -29,7 +31,7 @@ from ..ops import rotary
 from ..ops.attention import ATTENTION_NAME
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from ..ops.vision_attention import vision_attention
-from . import scope
+from . import packed_positions, scope
 from .causal_lm import SkippedLogits, logits_plan
 from .forwards import tag
 from .lazy_logits import deferred_logits
@@ -169,6 +171,17 @@ def patch_family(family, module, switch_method: Callable[[Any, str, str, Callabl
         cls = getattr(module, name, None)
         if cls is not None:
             switch_method(cls, "forward", "fused_linear_cross_entropy", vlm_head_forward(cls.forward))
+    packed_positions.patch_family(family, module, _recorded_set)
+
+
+def _recorded_set(owner: Any, name: str, value: Any) -> None:
+    """Set owner.name through the patch engine's record (disable() restores it), with no kernel switch: the
+    per-document positions of packed rows are a correctness fix, on whenever the package is enabled.
+    (apply.py hands patch_family only its kernel-switched patcher, hence the engine's record is read here.)"""
+    from .apply import _patches
+
+    if not _patches.is_patched(owner, name):
+        _patches.set(owner, name, value)
 
 
 def _rope_patched(family, module) -> bool:
