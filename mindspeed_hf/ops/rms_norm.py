@@ -1,7 +1,10 @@
-"""RMSNorm: y = x / rms(x) * w, or * (1 + w) in the offset form (Gemma).
+"""RMSNorm: y = x / rms(x) * w, or * (1 + w) in the offset form (Gemma); and the residual add fused into it:
+hidden = residual + x, normed = rms_norm(hidden) (a decoder layer's add-then-norm).
 
 The torch reference follows HF's casting exactly: the plain form normalises in fp32, casts back to the input
-dtype, then multiplies by the weight; the offset form multiplies in fp32 and casts last.
+dtype, then multiplies by the weight; the offset form multiplies in fp32 and casts last. On NPU the add and the
+norm are one npu_add_rms_norm call, which has no autograd of its own: its backward is npu_rms_norm's registered
+derivative (npu_rms_norm_backward) on the saved sum and rstd, plus the residual stream's own gradient.
 """
 
 from __future__ import annotations
@@ -35,6 +38,51 @@ def rms_norm_liger(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bo
 
     casting = "gemma" if offset else "llama"
     return LigerRMSNormFunction.apply(x, weight, eps, 1.0 if offset else 0.0, casting, False)
+
+
+@register("add_rms_norm", "torch", name="torch")
+def add_rms_norm_torch(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = residual + x
+    return rms_norm_torch(hidden, weight, eps, offset), hidden
+
+
+class _NpuAddRmsNorm(torch.autograd.Function):
+    """npu_add_rms_norm forward; exact backward from the saved sum and rstd (the op has no autograd)."""
+
+    @staticmethod
+    def forward(ctx, residual: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, eps: float):
+        normed, rstd, hidden = import_torch_npu().npu_add_rms_norm(residual, x, gamma, epsilon=eps)
+        ctx.save_for_backward(hidden, gamma, rstd)
+        return normed, hidden
+
+    @staticmethod
+    def backward(ctx, d_normed: torch.Tensor | None, d_hidden: torch.Tensor | None):
+        hidden, gamma, rstd = ctx.saved_tensors
+        d_sum, d_gamma = d_hidden, None
+        if d_normed is not None:
+            dx, d_gamma = import_torch_npu().npu_rms_norm_backward(d_normed, hidden, gamma, rstd)
+            d_sum = dx if d_sum is None else dx + d_sum
+            d_gamma = d_gamma.to(gamma.dtype)
+        return d_sum, d_sum, d_gamma, None
+
+
+@register("add_rms_norm", "npu", name="npu:npu_add_rms_norm")
+def add_rms_norm_npu(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual.dtype != x.dtype or residual.shape != x.shape:  # outside the op's contract: HF's math, unfused
+        return add_rms_norm_torch(residual, x, weight, eps, offset)
+    gamma = (1.0 + weight.float()) if offset else weight
+    return _NpuAddRmsNorm.apply(residual, x, gamma.to(x.dtype), eps)
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x) with the backend for `x`'s device: a decoder layer's residual add and
+    the norm after it in one kernel where the backend has one. `offset=True` scales by (1 + weight)."""
+    fused = run("add_rms_norm", x.device)
+    run("rms_norm", x.device)  # the norm ran on our kernel too: report()["ran"] counts it as an rms_norm as well
+    return fused(residual, x, weight, eps, offset)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:

@@ -31,6 +31,7 @@ _patches = PatchSet()
 _state: dict[str, Any] = {"explicit": None, "warned_types": set()}
 # Models whose attention may point at our kernel: disable() switches them back to sdpa.
 _models: weakref.WeakSet = weakref.WeakSet()
+_fused_layers: set[type] = set()  # decoder-layer classes whose residual add runs fused into their norm
 
 
 def _modeling(family: ModelFamily):
@@ -95,6 +96,18 @@ def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
     for name in family.rms_norm:
         if hasattr(module, name):  # VLMs: 4.57 imports some of these classes from the text family's module
             _switch_method(getattr(module, name), "forward", "rms_norm", norm_forward)
+    layer = getattr(module, family.decoder_layer, None) if family.decoder_layer else None
+    if layer is not None:  # the residual add fused into the norm after it, switched with the rms_norm kernel
+        cell = forwards.checkpointing_cell(layer.forward)
+        owner, name, forward = (cell, "cell_contents", cell.cell_contents) if cell else (layer, "forward",
+                                                                                            layer.forward)
+        norms = tuple(getattr(module, name) for name in family.rms_norm if hasattr(module, name))
+        fused = None if _patches.is_patched(owner, name) else forwards.fused_layer(forward, norms,
+                                                                                   family.offset_rms_norm)
+        if fused is not None:
+            _patches.set(owner, name, switched := scope.switch("rms_norm", fused, forward))
+            switched._mindspeed_op = "add_rms_norm"
+            _fused_layers.add(layer)
     for names, make in ((family.swiglu_mlp, forwards.swiglu_mlp_forward),
                         (family.packed_swiglu_mlp, forwards.packed_swiglu_mlp_forward)):
         for cls in (getattr(module, name) for name in names if hasattr(module, name)):
@@ -160,6 +173,7 @@ def _unpatch() -> None:
     """Put back every class and module symbol enable() patched, and its registrations and import watches."""
     third_party.stop_watching()
     _patches.restore_all()
+    _fused_layers.clear()
     unregister_attention()
     experts.unregister()
 
@@ -287,6 +301,7 @@ def report(model: nn.Module) -> dict[str, Any]:
     counts = dict.fromkeys(_OPS, 0)
     vision = dict.fromkeys(multimodal.VISION_OPS, 0)
     kept: dict[str, str] = {}
+    layers = 0
     config = scope.config_of(hf_model) if hf_model is not None else None
     if family is not None and is_enabled():
         module = _modeling(family)
@@ -311,7 +326,9 @@ def report(model: nn.Module) -> dict[str, Any]:
                 vision["attention"] += op is not None and on[op] and ours
                 vision["rope"] += vision_rope and on["rope"]
                 continue
-            if op is not None:
+            if type(sub) in _fused_layers and op in (None, "add_rms_norm"):  # its add runs fused into its norm
+                layers += on["rms_norm"]
+            elif op is not None:
                 (vision if id(sub) in vision_ids else counts)[op] += on[op]
             rope_patched = next((r for cls, r in text_attention.items() if isinstance(sub, cls)), None)
             if rope_patched is not None:
@@ -326,15 +343,16 @@ def report(model: nn.Module) -> dict[str, Any]:
             "model_type": getattr(getattr(hf_model, "config", None), "model_type", None),
             "backend": registry.resolve_backend(device),
             "kernels": counts,
-            "implementations": {op: registry.implementation(op, device) for op in _OPS
+            "implementations": {op: registry.implementation(op, device) for op in (*_OPS, "add_rms_norm")
                                 if op in registry.registered_ops()},
+            "add_rms_norm_layers": layers,  # decoder layers whose residual add is fused into the norm after it
             "attention_implementation": compat.attn_implementation(getattr(hf_model, "config", None)),
             "skip_logits": None if config is None or not counts["fused_linear_cross_entropy"] else
             config.kernels.skip_logits,
             "kept": kept,
             # what really ran on this model since it was built (or accelerated): executions per op
-            "ran": {**dict.fromkeys((*_OPS, "vision_attention"), 0), **scope.ran(hf_model)} if hf_model is not None
-            else {},
+            "ran": {**dict.fromkeys((*_OPS, "add_rms_norm", "vision_attention"), 0), **scope.ran(hf_model)}
+            if hf_model is not None else {},
             "quantized_linear": quantized.describe(model, device),
             **({"vision_kernels": vision, "vision_attention_implementation": registry.implementation(
                 "vision_attention", device)} if family is not None and family.vision_model else {}),
@@ -350,7 +368,7 @@ def replacements(model: nn.Module) -> dict[str, str]:
     for patch in _patches.replaced():
         op = _op_of(patch.value)
         if op is not None:
-            now = vars(patch.owner).get(patch.name)
+            now = getattr(patch.owner, patch.name, None)
             where = getattr(patch.owner, "__qualname__", None) or getattr(patch.owner, "__name__", str(patch.owner))
             found[f"{where}.{patch.name} (by {getattr(now, '__module__', None) or 'unknown code'})"] = op
     for sub in model.modules():

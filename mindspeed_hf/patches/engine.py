@@ -4,10 +4,18 @@ first original, which makes enable() idempotent."""
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Any
 
 _MISSING = object()
+
+
+def _own(owner: Any, name: str) -> Any:
+    """`owner`'s own `name` (not an inherited one); a closure cell's contents when `owner` is a cell."""
+    if isinstance(owner, types.CellType):
+        return owner.cell_contents
+    return vars(owner).get(name, _MISSING)
 
 
 @dataclass
@@ -19,7 +27,8 @@ class Patch:
 
 
 class PatchSet:
-    """An ordered record of patched attributes on modules, classes or instances."""
+    """An ordered record of patched attributes on modules, classes or instances, and of closure cells (name
+    "cell_contents": a function a wrapper of HF's calls, replaced inside the wrapper)."""
 
     def __init__(self) -> None:
         self._patches: dict[tuple[int, str], Patch] = {}
@@ -28,7 +37,7 @@ class PatchSet:
         key = (id(owner), name)
         if key not in self._patches:
             # Read the owner's own dict: an inherited attribute must be deleted, not copied, on restore.
-            self._patches[key] = Patch(owner, name, vars(owner).get(name, _MISSING))
+            self._patches[key] = Patch(owner, name, _own(owner, name))
         self._patches[key].value = value
         setattr(owner, name, value)
 
@@ -46,7 +55,7 @@ class PatchSet:
 
     def replaced(self) -> list[Patch]:
         """The patches whose attribute somebody else has since replaced (`vars(owner)[name]` is no longer `value`)."""
-        return [p for p in self._patches.values() if vars(p.owner).get(p.name, _MISSING) is not p.value]
+        return [p for p in self._patches.values() if _own(p.owner, p.name) is not p.value]
 
     def restore_all(self) -> None:
         for patch in reversed(list(self._patches.values())):

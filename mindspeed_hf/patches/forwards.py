@@ -1,10 +1,21 @@
 """The forwards that replace HF's module forwards. Each calls the model's own submodules and parameters, so
 PEFT adapters, FSDP hooks and HF's casting rules keep working; only the math goes to a fused kernel. Every
-function carries `_mindspeed_op` so report() can count what really runs."""
+function carries `_mindspeed_op` so report() can count what really runs.
+
+Decoder layers: the residual add before a norm becomes one add+norm kernel (ops.rms_norm.add_rms_norm). A layer
+forward is replaced only where HF's own forward is, statement for statement, one of the shapes in LAYER_SHAPES
+(read from its source when the family is patched): anything else keeps HF's forward, so the fused forward is
+always HF's code with the add and the norm fused. At run time a norm that is not plainly ours (a hook, an instance
+forward such as selective recompute's, another class, DTensor weights) runs as HF runs it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import inspect
+import re
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -12,7 +23,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from .. import compat
-from ..ops.rms_norm import rms_norm
+from ..ops.rms_norm import add_rms_norm, rms_norm
 from ..ops.rotary import apply_rotary_pos_emb
 from ..ops.swiglu import swiglu, swiglu_packed
 
@@ -64,3 +75,149 @@ def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 tag("rms_norm", rms_norm_forward)
 tag("rms_norm", offset_rms_norm_forward)
 rope_function = tag("rope", rope_forward)
+
+
+# HF decoder-layer bodies (from `residual = hidden_states`, comments and blank lines left out, the self_attn call
+# shown as `(...)`) that the fused layer forwards reproduce. "pre": Llama-shaped pre-norm layers, the add after
+# the attention fused into post_attention_layernorm. "sandwich": Gemma2/3's, the add after the post-attention norm
+# fused into pre_feedforward_layernorm.
+LAYER_SHAPES: dict[str, tuple[str, ...]] = {
+    "pre": ("residual = hidden_states", "hidden_states = self.input_layernorm(hidden_states)",
+            "hidden_states, _ = self.self_attn(...)", "hidden_states = residual + hidden_states",
+            "residual = hidden_states", "hidden_states = self.post_attention_layernorm(hidden_states)",
+            "hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states",
+            "return hidden_states"),
+    "sandwich": ("residual = hidden_states", "hidden_states = self.input_layernorm(hidden_states)",
+                 "hidden_states, _ = self.self_attn(...)",
+                 "hidden_states = self.post_attention_layernorm(hidden_states)",
+                 "hidden_states = residual + hidden_states", "residual = hidden_states",
+                 "hidden_states = self.pre_feedforward_layernorm(hidden_states)",
+                 "hidden_states = self.mlp(hidden_states)",
+                 "hidden_states = self.post_feedforward_layernorm(hidden_states)",
+                 "hidden_states = residual + hidden_states", "return hidden_states"),
+}
+_ATTN_CALL = re.compile(r"hidden_states, _ = self\.self_attn\((.*?)\)\n", re.S)
+_PASSED = re.compile(r"^(\w+)=\1$")
+
+
+def layer_shape(forward: Callable) -> tuple[str, tuple[str, ...]] | None:
+    """(shape name, the names HF's forward passes on to self_attn as `name=name`) when `forward`'s body is one of
+    LAYER_SHAPES and its self_attn call passes only its own arguments (plus **kwargs); None otherwise (source not
+    readable, another body, a decorator we do not know)."""
+    inner = inspect.unwrap(forward)
+    if any(_renamed(f) is None for f in _wrappers(forward)):
+        return None
+    try:
+        source = inspect.getsource(inner)
+    except (OSError, TypeError):
+        return None
+    start = source.find("residual = hidden_states")
+    call = _ATTN_CALL.search(source, start)
+    if start < 0 or call is None:
+        return None
+    args = [a.strip() for a in call.group(1).split(",") if a.strip()]
+    names = [m.group(1) for m in map(_PASSED.match, args) if m]
+    params = inspect.signature(inner).parameters
+    if names[:1] != ["hidden_states"] or len(names) != len(args) - (args[-1:] == ["**kwargs"]) \
+            or not set(names) <= set(params) or (args[-1:] == ["**kwargs"]) != ("kwargs" in params):
+        return None
+    body = source[start:call.start()] + "hidden_states, _ = self.self_attn(...)\n" + source[call.end():]
+    lines = tuple(line.split("#")[0].strip() for line in body.splitlines())
+    lines = tuple(line for line in lines if line)
+    shape = next((name for name, want in LAYER_SHAPES.items() if lines == want), None)
+    return None if shape is None else (shape, tuple(names[1:]))
+
+
+def _wrappers(fn: Callable) -> list[Callable]:
+    out = []
+    while hasattr(fn, "__wrapped__"):
+        out.append(fn)
+        fn = fn.__wrapped__
+    return out
+
+
+def _renamed(wrapper: Callable) -> str | None:
+    """The deprecated keyword a transformers `deprecate_kwarg` wrapper renames (None: not such a wrapper)."""
+    code, cells = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None) or ()
+    free = dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code is not None else {}
+    return free.get("old_name") if isinstance(free.get("old_name"), str) else None
+
+
+def _ours(hooks: dict) -> bool:
+    return all(getattr(hook, "_mindspeed_scope", False) for hook in hooks.values())
+
+
+def _plain_norm(norm: nn.Module, classes: tuple[type, ...]) -> bool:
+    """The norm runs nothing but its class forward (ours) inside our own scope hooks: no other hook, no instance
+    forward, plain tensor weights."""
+    from torch.nn.modules import module as torch_module
+
+    return (type(norm) in classes and "forward" not in vars(norm) and _ours(norm._forward_hooks)
+            and _ours(norm._forward_pre_hooks) and type(norm.weight) in (torch.Tensor, nn.Parameter)
+            and not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks)
+
+
+@contextlib.contextmanager
+def _norm_scope(norm: nn.Module, x: torch.Tensor) -> Iterator[None]:
+    """What the norm's own (scope) hooks do around its forward: its model's config current, its kernels counted
+    (also where activation checkpointing reruns the layer body in backward, outside the layer's hooks)."""
+    for hook in list(norm._forward_pre_hooks.values()):
+        hook(norm, (x,))
+    try:
+        yield
+    finally:
+        for hook in list(norm._forward_hooks.values()):
+            hook(norm, (x,), None)
+
+
+def _norm_eps(norm: nn.Module) -> float:
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+
+
+def fused_layer_forward(original: Callable, shape: str, attn_args: tuple[str, ...], norm_classes: tuple[type, ...],
+                        offset: bool) -> Callable:
+    """A decoder-layer forward equal to `original` (whose body is LAYER_SHAPES[shape]) with the residual add and
+    the norm after it in one add_rms_norm call. `attn_args`: what HF passes on to self_attn, by name."""
+    signature = inspect.signature(inspect.unwrap(original))
+    renamed = {_renamed(f) for f in _wrappers(original)}
+    fused_norm = "post_attention_layernorm" if shape == "pre" else "pre_feedforward_layernorm"
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        norm = getattr(self, fused_norm)
+        if renamed & set(kwargs) or not _plain_norm(norm, norm_classes):
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments)
+        hidden_states = named["hidden_states"]
+        passed = {name: named[name] for name in attn_args}
+        passed.update(named.get("kwargs", {}))
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **passed)
+        if shape == "sandwich":
+            hidden_states = self.post_attention_layernorm(hidden_states)
+        with _norm_scope(norm, hidden_states):
+            hidden_states, residual = add_rms_norm(residual, hidden_states, norm.weight, _norm_eps(norm), offset)
+        hidden_states = self.mlp(hidden_states)
+        if shape == "sandwich":
+            hidden_states = self.post_feedforward_layernorm(hidden_states)
+        return residual + hidden_states
+
+    return tag("add_rms_norm", forward)
+
+
+def fused_layer(forward: Callable, norm_classes: tuple[type, ...], offset: bool) -> Callable | None:
+    """The fused version of decoder-layer forward `forward` (whose norms are `norm_classes`), or None where it is
+    not one of LAYER_SHAPES."""
+    shape = layer_shape(forward) if norm_classes else None
+    return None if shape is None else fused_layer_forward(forward, *shape, norm_classes, offset)
+
+
+def checkpointing_cell(forward: Callable) -> types.CellType | None:
+    """The closure cell holding the forward that transformers' GradientCheckpointingLayer wrapper (>= 5.24: it wraps
+    every layer class's `forward` at class creation) calls; None for a forward without that wrapper. Replacing the
+    cell's contents keeps the wrapper, and with it gradient checkpointing, in place."""
+    code = getattr(forward, "__code__", None)
+    if code is None or code.co_name != "forward_with_checkpointing" or "forward" not in code.co_freevars:
+        return None
+    return forward.__closure__[code.co_freevars.index("forward")]

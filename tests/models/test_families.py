@@ -11,10 +11,14 @@ from mindspeed_hf.compat import sdpa_replaceable
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.patches import FAMILIES
 from mindspeed_hf.patches.families import ModelFamily
+from mindspeed_hf.patches.forwards import checkpointing_cell
 
 # Text decoders (XForCausalLM heads); vision-language and third-party families have their own tests
 # (tests/models/test_vlm.py, the Qwen3-TTS example's).
 TEXT_FAMILIES = {name: family for name, family in FAMILIES.items() if family.causal_lm}
+# Families whose decoder layers run the residual add fused into the norm after it (add_rms_norm). Phi-3 (dropout on
+# the residual branch) and GPT-OSS (its own RMSNorm) keep HF's layer forward.
+ADD_NORM_FAMILIES = {name for name, family in TEXT_FAMILIES.items() if family.decoder_layer}
 BATCHES = {"right_padded": padded_batch, "left_padded": lambda: padded_batch(left=True), "packed": packed_batch}
 
 
@@ -22,8 +26,12 @@ def _snapshot(family: ModelFamily) -> dict:
     import importlib
 
     module = importlib.import_module(family.modeling_module)
-    names = {*family.rms_norm, *family.swiglu_mlp, *family.packed_swiglu_mlp, *family.causal_lm, family.pretrained}
+    names = {*family.rms_norm, *family.swiglu_mlp, *family.packed_swiglu_mlp, *family.causal_lm, family.pretrained,
+             *([family.decoder_layer] if family.decoder_layer else [])}
     snap = {("module", "apply_rotary_pos_emb"): module.apply_rotary_pos_emb}
+    if family.decoder_layer:  # transformers >= 5.24 wraps the layer forward: what the wrapper calls is patched
+        cell = checkpointing_cell(getattr(module, family.decoder_layer).forward)
+        snap[("cell", family.decoder_layer)] = cell.cell_contents if cell is not None else None
     for name in names:
         # Everything in the class dicts, except a cache transformers itself fills in on set_attn_implementation.
         snap.update({(name, a): v for a, v in vars(getattr(module, name)).items() if not a.endswith("_cached_value")})
@@ -56,12 +64,44 @@ def test_family_parity(model_type, backend):
         loss, grads = loss_and_grads(model, make())
         torch.testing.assert_close(loss, expected[name][0], atol=1e-5, rtol=1e-5, msg=f"{model_type} {name} loss")
         assert_close_grads(expected[name][1], grads)
+    # The fused add+norm really ran in every layer of the runs above (so the parity covers its forward and backward)
+    after = mindspeed_hf.report(model)
+    fused = model_type in ADD_NORM_FAMILIES
+    assert after["add_rms_norm_layers"] == (model.config.num_hidden_layers if fused else 0)
+    assert after["ran"]["add_rms_norm"] == (len(BATCHES) * model.config.num_hidden_layers if fused else 0)
+    assert after["implementations"]["add_rms_norm"] == ("torch" if backend == "torch" else "npu:npu_add_rms_norm")
 
     mindspeed_hf.disable()
     assert _snapshot(FAMILIES[model_type]) == originals
     assert mindspeed_hf.report(model)["kernels"] == dict.fromkeys(report["kernels"], 0)
     loss, _ = loss_and_grads(model, padded_batch())
     torch.testing.assert_close(loss, expected["right_padded"][0], atol=0, rtol=0)
+
+
+def test_add_norm_families():
+    """Every family whose decoder layer has HF's add-then-norm shape fuses it on this release (not only those)."""
+    assert ADD_NORM_FAMILIES == set(TEXT_FAMILIES) - {"phi3", "gpt_oss"}
+    mindspeed_hf.enable()
+    from mindspeed_hf.patches import apply
+
+    assert {cls.__name__ for cls in apply._fused_layers} >= {TEXT_FAMILIES[n].decoder_layer for n in ADD_NORM_FAMILIES}
+
+
+def test_add_norm_falls_back_where_the_norm_is_not_plainly_ours():
+    """A hook on the norm (it must fire), or the rms_norm kernel switched off: HF's layer forward, same numbers."""
+    model = tiny_model("llama")
+    batch = padded_batch()
+    expected = loss_and_grads(model, batch)
+    seen = []
+    model.model.layers[0].post_attention_layernorm.register_forward_hook(lambda *a: seen.append(1))
+    mindspeed_hf.enable()
+    mindspeed_hf.apply_to_model(model)
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
+    assert_close_grads(expected[1], grads)
+    assert seen and mindspeed_hf.report(model)["ran"]["add_rms_norm"] == model.config.num_hidden_layers - 1
+    mindspeed_hf.apply_to_model(model, config_from_dict({"kernels": {"rms_norm": False}}))
+    assert mindspeed_hf.report(model)["add_rms_norm_layers"] == 0
 
 
 def test_models_built_while_enabled_use_kernels_and_survive_disable():

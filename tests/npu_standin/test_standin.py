@@ -143,6 +143,33 @@ def test_add_rms_norm_forward_and_no_backward():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backward_equals_autograd_of_rms_norm(dtype):
+    x = torch.randn(2, 5, 16).to(dtype).requires_grad_()
+    g = (torch.randn(16) * 0.1 + 1).to(dtype).requires_grad_()
+    y, rstd = torch_npu.npu_rms_norm(x, g)
+    dy = torch.randn_like(y)
+    want = torch.autograd.grad(y, (x, g), dy)
+    dx, dgamma = torch_npu.npu_rms_norm_backward(dy, x.detach(), g.detach(), rstd.detach())
+    assert dx.dtype == dtype and dgamma.dtype == torch.float32 and dgamma.shape == g.shape
+    tol = dict(atol=ATOL, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(dx, want[0], **tol)
+    torch.testing.assert_close(dgamma.to(dtype), want[1], **tol)
+
+
+def test_rms_norm_backward_is_strict():
+    x, g = torch.randn(3, 8), torch.randn(8)
+    _, rstd = torch_npu.npu_rms_norm(x, g)
+    with pytest.raises(RuntimeError, match="rstd must be float32"):
+        torch_npu.npu_rms_norm_backward(x, x, g, rstd.half())
+    with pytest.raises(RuntimeError, match="rstd shape"):
+        torch_npu.npu_rms_norm_backward(x, x, g, rstd.reshape(1, 3))
+    with pytest.raises(RuntimeError, match="gamma dtype"):
+        torch_npu.npu_rms_norm_backward(x, x, g.half(), rstd)
+    with pytest.raises(RuntimeError, match="not implemented"):  # no autograd through it, as on the device
+        torch_npu.npu_rms_norm_backward(x.requires_grad_(), x, g, rstd)[0].sum().backward()
+
+
 # ----------------------------------------------------------------------------------------------- rotary / swiglu
 
 

@@ -10,6 +10,7 @@ from transformers.models.phi3 import modeling_phi3
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from mindspeed_hf.ops import apply_rotary_pos_emb, implementation, rms_norm, swiglu, swiglu_packed
+from mindspeed_hf.ops.rms_norm import add_rms_norm
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -47,6 +48,41 @@ def test_rms_norm_matches_hf(hf_cls, offset, shape, dtype, backend):
     assert ours.dtype == ref.dtype
     _check((ours, *_grads(ours, x, hf.weight)), (ref, *ref_grads), dtype)
     assert implementation("rms_norm", x.device) == ("torch" if backend == "torch" else "npu:npu_rms_norm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hf_cls,offset,shape", [
+    (modeling_llama.LlamaRMSNorm, False, (3, 7, 40)),
+    (GemmaRMSNorm, True, (2, 5, 24)),
+])
+def test_add_rms_norm_matches_hf_add_then_norm(hf_cls, offset, shape, dtype, backend):
+    """HF's `hidden = residual + x; normed = norm(hidden)`, both outputs used downstream (the residual stream goes
+    on), against the fused entry point: both outputs and the gradients of residual, x and the weight."""
+    hf = hf_cls(shape[-1], eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(shape[-1]) * 0.1 + (0 if offset else 1))
+    residual, x = _leaf(*shape, dtype=dtype, seed=11), _leaf(*shape, dtype=dtype, seed=12)
+    hidden = residual + x
+    ref = (hf(hidden), hidden)
+    ours = add_rms_norm(residual, x, hf.weight, 1e-6, offset=offset)
+    assert [t.dtype for t in ours] == [dtype, dtype]
+
+    def grads(outs):
+        torch.manual_seed(0)
+        loss = sum((o.float() * torch.randn_like(o.float())).sum() for o in outs)
+        return torch.autograd.grad(loss, (residual, x, hf.weight))
+
+    _check((*ours, *grads(ours)), (*ref, *grads(ref)), dtype)
+    assert implementation("add_rms_norm", x.device) == ("torch" if backend == "torch" else "npu:npu_add_rms_norm")
+
+
+def test_add_rms_norm_only_the_norm_used(backend):
+    """The residual output unused (the last layer's): its gradient is the norm's alone."""
+    hf = modeling_llama.LlamaRMSNorm(16, eps=1e-6)
+    residual, x = _leaf(2, 3, 16, dtype=torch.float32, seed=13), _leaf(2, 3, 16, dtype=torch.float32, seed=14)
+    ref = torch.autograd.grad(hf(residual + x).square().sum(), (residual, x, hf.weight))
+    ours = torch.autograd.grad(add_rms_norm(residual, x, hf.weight, 1e-6)[0].square().sum(), (residual, x, hf.weight))
+    _check(ours, ref, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -102,12 +138,14 @@ def test_npu_path_really_calls_torch_npu(monkeypatch, backend):
     import torch_npu
 
     calls = []
-    for name in ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu"):
+    for name in ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_add_rms_norm", "npu_rms_norm_backward"):
         original = getattr(torch_npu, name)
         monkeypatch.setattr(torch_npu, name, lambda *a, _o=original, _n=name, **kw: calls.append(_n) or _o(*a, **kw))
     x = torch.randn(2, 4, 3, 8)
     rms_norm(x, torch.ones(8), 1e-6)
     apply_rotary_pos_emb(x, x, torch.ones(2, 3, 8), torch.zeros(2, 3, 8))
     swiglu(x, x)
-    expected = ["npu_rms_norm", "npu_rotary_mul", "npu_rotary_mul", "npu_swiglu"] if backend == "npu" else []
+    add_rms_norm(x, x.clone().requires_grad_(), torch.ones(8), 1e-6)[0].sum().backward()
+    expected = ["npu_rms_norm", "npu_rotary_mul", "npu_rotary_mul", "npu_swiglu", "npu_add_rms_norm",
+                "npu_rms_norm_backward"] if backend == "npu" else []
     assert calls == expected

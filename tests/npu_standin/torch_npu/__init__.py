@@ -12,7 +12,7 @@ from .attention import npu_fusion_attention, npu_fusion_attention_grad
 from .gmm import npu_grouped_matmul
 from .loss import npu_cross_entropy_loss
 from .moe import npu_moe_gating_top_k_softmax, npu_moe_init_routing, npu_moe_token_permute, npu_moe_token_unpermute
-from .norm import npu_add_rms_norm, npu_rms_norm
+from .norm import npu_add_rms_norm, npu_rms_norm, npu_rms_norm_backward
 from .rotary import npu_rotary_mul
 
 __version__ = "2.14.0"
@@ -29,6 +29,7 @@ __all__ = [
     "npu_moe_token_permute",
     "npu_moe_token_unpermute",
     "npu_rms_norm",
+    "npu_rms_norm_backward",
     "npu_rotary_mul",
     "npu_swiglu",
 ]

@@ -1,4 +1,5 @@
-"""npu_rms_norm and npu_add_rms_norm: RMSNorm in fp32, gamma applied in fp32, then cast (the kernel's order)."""
+"""npu_rms_norm, npu_rms_norm_backward and npu_add_rms_norm: RMSNorm in fp32, gamma applied in fp32, then cast
+(the kernel's order)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,31 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06):
         y, rstd = _rms_norm(s32, gamma, float(epsilon), x1.dtype)
         x = s32.to(x1.dtype)
     return C.no_autograd(op, (y, rstd, x), (x1, x2, gamma))
+
+
+def npu_rms_norm_backward(dy, self, gamma, rstd):
+    """(dx, dgamma) of y = self * rstd * gamma (npu_rms_norm's registered derivative, callable on its own).
+
+    dx has self's dtype; dgamma is float32 with gamma's shape (the caller casts it to gamma's dtype). rstd must be
+    npu_rms_norm's (fp32, shape self.shape[:-g] + (1,) * g). Computed in fp32; no autograd through it.
+    """
+    op = "npu_rms_norm_backward"
+    x = C.float_tensor(op, "self", self)
+    dy = C.float_tensor(op, "dy", dy)
+    rstd = C.float_tensor(op, "rstd", rstd)
+    gamma = _check_norm_args(op, x, gamma, 1e-6)
+    C.same_dtype(op, dy=dy, self=x)
+    C.same_device(op, dy=dy, self=x, rstd=rstd)
+    C.check(dy.shape == x.shape, op, f"dy {tuple(dy.shape)} and self {tuple(x.shape)} must have one shape")
+    C.check(rstd.dtype == torch.float32, op, f"rstd must be float32 (npu_rms_norm's), got {rstd.dtype}")
+    g = gamma.dim()
+    want = tuple(x.shape[: x.dim() - g]) + (1,) * g
+    C.check(tuple(rstd.shape) == want, op, f"rstd shape {tuple(rstd.shape)} must be {want}")
+    dims = tuple(range(x.dim() - g, x.dim()))
+    with torch.no_grad():
+        x32, dy32, g32 = x.float(), dy.float(), gamma.float()
+        normed = x32 * rstd
+        dnormed = dy32 * g32
+        dx = rstd * (dnormed - normed * (dnormed * normed).mean(dim=dims, keepdim=True))
+        dgamma = (dy32 * normed).sum(dim=tuple(range(x.dim() - g)))
+    return C.no_autograd(op, (dx.to(x.dtype), dgamma), (dy, x, gamma, rstd))
