@@ -49,15 +49,23 @@ def slice_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tenso
     return hidden_states[:, keep, :]
 
 
-_NAMED: dict[Callable, frozenset[str] | None] = {}  # _named_parameters' memo (a plain dict: torch.compile reads it)
+_NAMED: dict[Callable, frozenset[str] | None] = {}  # _named_parameters' memo, for eager mode
+
+
+def _signature_names(forward: Callable) -> frozenset[str] | None:
+    """The keyword names `forward` accepts, or None when it takes **kwargs, read from its signature."""
+    params = inspect.signature(forward).parameters.values()
+    return None if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) else frozenset(p.name for p in params)
 
 
 def _named_parameters(forward: Callable) -> frozenset[str] | None:
-    """The keyword names `forward` accepts, or None when it takes **kwargs (accepts any name)."""
+    """The keyword names `forward` accepts, or None when it takes **kwargs (accepts any name). While Dynamo traces,
+    the memo is neither read nor filled (the signature is read in the trace): a graph guarded on the memo's
+    contents would be rebuilt once the memo changes (an eager forward filling it, between two compiled calls)."""
+    if torch.compiler.is_compiling():
+        return _signature_names(forward)
     if forward not in _NAMED:
-        params = inspect.signature(forward).parameters.values()
-        _NAMED[forward] = None if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) else \
-            frozenset(p.name for p in params)
+        _NAMED[forward] = _signature_names(forward)
     return _NAMED[forward]
 
 

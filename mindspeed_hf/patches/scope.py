@@ -85,10 +85,8 @@ def _enter(config: MindSpeedConfig | None, counts: dict[str, int]) -> Callable[.
     """The pre-hook: `config` current (None: keep the current one) and the kernels that run counted into `counts`."""
 
     def hook(module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():  # traced into the graph: the config for the trace, nothing counted
-            _traced.append(config if config is not None else (_traced[-1] if _traced else None))
-            registry.use_backend(registry.requested_backend() if config is None else  # None: the running one stays
-                                 None if config.backend == "auto" else config.backend)
+        if torch.compiler.is_compiling():
+            _enter_traced(config)
             return
         tokens = (registry.count_into(counts),) if config is None else (
             registry.count_into(counts), _running.set(config),
@@ -97,6 +95,14 @@ def _enter(config: MindSpeedConfig | None, counts: dict[str, int]) -> Callable[.
 
     hook._mindspeed_scope = True
     return hook
+
+
+def _enter_traced(config: MindSpeedConfig | None) -> None:
+    """The pre-hook while Dynamo traces it into a graph: the config for the trace (None: keep the running one),
+    nothing counted."""
+    _traced.append(config if config is not None else (_traced[-1] if _traced else None))
+    registry.use_backend(registry.requested_backend() if config is None else  # None: the running one stays
+                         None if config.backend == "auto" else config.backend)
 
 
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
@@ -198,8 +204,13 @@ def switch(op: str, fast: Callable, original: Callable, model_forward: bool = Fa
 
 @contextlib.contextmanager
 def _inside(model: nn.Module, config: MindSpeedConfig | None) -> Iterator[None]:
-    """What the model's own hooks do around its forward, for a forward that was called past them."""
-    _enter(config, ran(model))(model, ())
+    """What the model's own hooks do around its forward, for a forward that was called past them. While Dynamo
+    traces, the model's counter is not even read: the graph would be guarded on its values, and every eager forward
+    in between (generate's prefill) would make the next compiled call recompile."""
+    if torch.compiler.is_compiling():
+        _enter_traced(config)
+    else:
+        _enter(config, ran(model))(model, ())
     try:
         yield
     finally:

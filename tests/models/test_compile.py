@@ -7,6 +7,8 @@ compiler's own business, not what the accelerator changes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from tiny_models import FAMILY_CONFIGS, tiny_model
@@ -79,12 +81,7 @@ def test_a_compiled_forward_generates_the_same_tokens(family):
 def test_a_new_routing_is_not_a_new_graph():
     mindspeed_hf.enable()
     torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):  # noqa: ARG001 - counts the graphs Dynamo builds, runs them as traced
-        graphs.append(gm)
-        return gm.forward
-
+    graphs, backend = _graph_counter()
     model = tiny_model("qwen3_moe").eval()
     compiled = torch.compile(model, fullgraph=True, backend=backend, dynamic=False)
     with torch.no_grad():
@@ -92,6 +89,38 @@ def test_a_new_routing_is_not_a_new_graph():
             torch.testing.assert_close(compiled(input_ids=_ids(seed)).logits, model(input_ids=_ids(seed)).logits,
                                        atol=1e-5, rtol=0)
     assert len(graphs) == 1
+
+
+def _graph_counter() -> tuple[list, Callable]:
+    """A torch.compile backend that counts the graphs Dynamo builds (and runs them as traced)."""
+    graphs = []
+
+    def backend(gm, example_inputs):  # noqa: ARG001 - the backend signature
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, backend
+
+
+def test_eager_forwards_between_compiled_calls_do_not_recompile():
+    """transformers' generate compiles `model.__call__` and runs the prefill eagerly: an eager forward counts what
+    ran and fills the package's memos, and the compiled graph must be guarded on neither (transformers'
+    test_generate_compile_model_forward_fullgraph and test_static_cache_no_recompile_with_smaller_length failed on
+    the counters)."""
+    mindspeed_hf.enable()
+    torch._dynamo.reset()
+    graphs, backend = _graph_counter()
+    model = tiny_model("qwen3").eval()
+    compiled = torch.compile(model.__call__, fullgraph=True, backend=backend, dynamic=False)
+    with torch.no_grad():
+        model(input_ids=_ids(2))  # an eager forward first: the counters hold values when the graph is traced
+        compat._NAMED.clear()  # and the memos are empty then, as in a process whose first forward is compiled
+        for seed in range(2):
+            got = compiled(input_ids=_ids(seed)).logits
+            eager = model(input_ids=_ids(seed)).logits  # an eager forward in between: counters move, memos fill
+            torch.testing.assert_close(got, eager, atol=1e-5, rtol=0)
+    assert len(graphs) == 1
+    assert mindspeed_hf.report(model)["ran"]["rms_norm"] > 0  # the eager forwards are still counted
 
 
 def test_trainer_with_torch_compile_trains_as_eager(tmp_path, caplog):
