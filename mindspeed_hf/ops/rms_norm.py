@@ -53,12 +53,13 @@ class _NpuAddRmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, residual: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, eps: float):
         normed, rstd, hidden = import_torch_npu().npu_add_rms_norm(residual, x, gamma, epsilon=eps)
-        ctx.save_for_backward(hidden, gamma, rstd)
+        ctx.save_for_backward(hidden)  # the big one, through the saved-tensor hooks (activation offload sees it)
+        ctx.gamma, ctx.rstd = gamma, rstd  # small, and not outputs (no reference cycle through ctx)
         return normed, hidden
 
     @staticmethod
     def backward(ctx, d_normed: torch.Tensor | None, d_hidden: torch.Tensor | None):
-        hidden, gamma, rstd = ctx.saved_tensors
+        (hidden,), gamma, rstd = ctx.saved_tensors, ctx.gamma, ctx.rstd
         d_sum, d_gamma = d_hidden, None
         if d_normed is not None:
             dx, d_gamma = import_torch_npu().npu_rms_norm_backward(d_normed, hidden, gamma, rstd)
