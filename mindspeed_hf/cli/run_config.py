@@ -49,6 +49,7 @@ class DataSpec:
     completion_field: str = "completion"
     max_length: int = 64
     packing: bool = False
+    max_tokens_per_batch: int = 0  # the accelerator's data.max_tokens_per_batch (0: batches of rows)
 
 
 @dataclass
@@ -241,9 +242,9 @@ def _validate_runtime(spec: RuntimeSpec) -> RuntimeSpec:
 
 
 def mindspeed_config_from_sections(parallel: Any, features: Any, checkpoints: Any = None,
-                                   moe: Any = None) -> MindSpeedConfig:
-    """Map the flat `features` section, the `parallel`, `moe` and `checkpoints` sections onto one validated
-    MindSpeedConfig."""
+                                   moe: Any = None, max_tokens_per_batch: int = 0) -> MindSpeedConfig:
+    """Map the flat `features` section, the `parallel`, `moe` and `checkpoints` sections and the `data` section's
+    max_tokens_per_batch onto one validated MindSpeedConfig."""
     features = _check_keys("features", features, FEATURE_KEYS)
     parallel = _check_keys("parallel", parallel, [f.name for f in dataclasses.fields(ParallelConfig)])
     kernel_keys = {f.name for f in dataclasses.fields(KernelConfig)}
@@ -253,6 +254,7 @@ def mindspeed_config_from_sections(parallel: Any, features: Any, checkpoints: An
         "parallel": parallel,
         "checkpoints": checkpoints or {},
         "moe": moe or {},
+        "data": {"max_tokens_per_batch": max_tokens_per_batch},
     }
     if "backend" in features:
         data["backend"] = features["backend"]
@@ -267,11 +269,12 @@ def parse_run_config(data: dict[str, Any], base: Path, source: str = "<dict>") -
         raise ValueError(f"training.{stray[0]}: accelerator settings go in the `features` and `parallel` sections "
                          f"(features: {', '.join(FEATURE_KEYS)})")
     training = _typed_training_values(_check_keys("training", data.get("training"), training_keys()))
+    spec = _validate_data(_spec("data", DataSpec, data.get("data")), base)
     return RunConfig(
         model=_validate_model(_spec("model", ModelSpec, data.get("model")), base),
-        data=_validate_data(_spec("data", DataSpec, data.get("data")), base),
+        data=spec,
         mindspeed=mindspeed_config_from_sections(data.get("parallel"), data.get("features"),
-                                                 data.get("checkpoints"), data.get("moe")),
+                                                 data.get("checkpoints"), data.get("moe"), spec.max_tokens_per_batch),
         training=training,
         evaluation=_spec("evaluation", EvalSpec, data.get("evaluation")),
         runtime=_validate_runtime(_spec("runtime", RuntimeSpec, data.get("runtime"))),

@@ -21,6 +21,7 @@ from .schema import (
     SECTIONS,
     TRAIN_RECIPES,
     CheckpointConfig,
+    DataConfig,
     KernelConfig,
     MemoryConfig,
     MindSpeedConfig,
@@ -51,8 +52,9 @@ from .sources import (
 __all__ = [
     "AXES", "AXIS", "SIZE_PATHS", "WORLD_AXES", "Axis", "ACCELERATE_SOURCE", "ARGUMENTS_SOURCE", "BACKEND_CHOICES",
     "ENV_PREFIX", "EP_MIN_TRANSFORMERS", "OTHER_VARIABLES", "RECOMPUTE_MODULES", "SECTIONS", "TRAIN_RECIPES",
-    "CheckpointConfig", "KernelConfig", "Layer", "MemoryConfig", "MindSpeedConfig", "MoEConfig", "Override",
-    "ParallelConfig", "ResolvedConfig", "Setting", "accelerate_env_layer", "check_ep_release", "check_variables",
-    "config_from_dict", "env_layer", "flatten", "hf_fsdp_layer", "hf_fsdp_settings", "load_config", "parse_reshard",
-    "read_config_file", "resolve", "resolve_for", "resolve_layers", "settings", "trainer_layers", "yaml_layer",
+    "CheckpointConfig", "DataConfig", "KernelConfig", "Layer", "MemoryConfig", "MindSpeedConfig", "MoEConfig",
+    "Override", "ParallelConfig", "ResolvedConfig", "Setting", "accelerate_env_layer", "check_ep_release",
+    "check_variables", "config_from_dict", "env_layer", "flatten", "hf_fsdp_layer", "hf_fsdp_settings", "load_config",
+    "parse_reshard", "read_config_file", "resolve", "resolve_for", "resolve_layers", "settings", "trainer_layers",
+    "yaml_layer",
 ]

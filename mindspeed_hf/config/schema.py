@@ -2,7 +2,7 @@
 its default, its value kind (mindspeed_hf.value_kinds) and its help text.
 
 Everything else is derived from these declarations: the YAML schema (sections `kernels` / `parallel` / `memory` /
-`moe` / `checkpoints` plus `backend`), the training arguments (`mindspeed_<key>`), the environment variables
+`moe` / `checkpoints` / `data` plus `backend`), the training arguments (`mindspeed_<key>`), the environment variables
 (`MINDSPEED_HF_<SECTION>_<KEY>`, `MINDSPEED_HF_BACKEND`) and the one validation: every value goes through its kind,
 whichever source gave it, when a config is built (`__post_init__`), and a config builds only if it is valid.
 """
@@ -198,6 +198,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class DataConfig:
+    """How Trainer's training data loader forms its batches."""
+
+    max_tokens_per_batch: int = _declare(0, integer(0, " (0 = off)"), "build each training micro-batch from whole "
+                                         "rows whose tokens fit this budget (padded: rows x the longest; packed by a "
+                                         "flattening collator: the sum), instead of per_device_train_batch_size rows")
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "data")
+
+
+@dataclass
 class MindSpeedConfig:
     """The whole accelerator configuration."""
 
@@ -208,6 +220,7 @@ class MindSpeedConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
         _check_fields(self, None)
@@ -217,7 +230,7 @@ class MindSpeedConfig:
 
 
 SECTIONS: dict[str, type] = {"kernels": KernelConfig, "parallel": ParallelConfig, "memory": MemoryConfig,
-                             "moe": MoEConfig, "checkpoints": CheckpointConfig}
+                             "moe": MoEConfig, "checkpoints": CheckpointConfig, "data": DataConfig}
 
 
 # ---------------------------------------------------------------------------------------------- the settings

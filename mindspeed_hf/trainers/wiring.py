@@ -8,7 +8,8 @@ object, so it is covered too. Every original is kept and put back exactly by uni
 Settings for such a script come from its own `fsdp`/`fsdp_config`/`parallelism_config` arguments over the process
 config (MINDSPEED_HF_* variables, MINDSPEED_HF_CONFIG=path.yaml, the accelerate launch environment, the defaults);
 the Trainer methods in fsdp.OVERRIDES (each a seam, seams.py) are wrapped too and run ours while the model is
-sharded; Trainer.log adds the MoE expert load to the training loss's log (moe_load.py). TrainingArguments.__post_init__
+sharded; Trainer.log adds the MoE expert load to the training loss's log (moe_load.py); Trainer.get_train_dataloader
+sizes batches in tokens when data.max_tokens_per_batch is set (batching.py). TrainingArguments.__post_init__
 is wrapped for DeepSpeed
 (trainers/deepspeed.py: the refusal of our parallelism with it, and deepspeed.comm before a ZeRO-3 model is built).
 """
@@ -22,7 +23,7 @@ from typing import Any
 
 from ..patches import scope
 from ..patches.engine import PatchSet
-from . import deepspeed, fsdp, lifecycle, moe_load, seams
+from . import batching, deepspeed, fsdp, lifecycle, moe_load, seams
 from .context import split_inputs
 from .fsdp_plan import ddp_notice_held
 from .run import run_of
@@ -134,6 +135,16 @@ def _wrap_log(original: Callable) -> Callable:
     return log
 
 
+def _wrap_train_dataloader(original: Callable) -> Callable:
+    """Trainer.get_train_dataloader: batches sized by data.max_tokens_per_batch when it is set (batching.py)."""
+
+    @functools.wraps(original)
+    def get_train_dataloader(self, *args: Any, **kwargs: Any) -> Any:
+        return batching.train_dataloader(self, functools.partial(original, self, *args, **kwargs))
+
+    return get_train_dataloader
+
+
 def _wrappers() -> dict[str, Callable[[Callable], Callable]]:
     wrappers: dict[str, Callable[[Callable], Callable]] = {
         "__init__": _wrap_init,
@@ -141,6 +152,7 @@ def _wrappers() -> dict[str, Callable[[Callable], Callable]]:
         "train": _wrap_train,
         "compute_loss": _wrap_compute_loss,
         "log": _wrap_log,
+        "get_train_dataloader": _wrap_train_dataloader,
     }
     wrappers.update({name: _wrap_fsdp(name) for name in fsdp.OVERRIDES})
     return wrappers
