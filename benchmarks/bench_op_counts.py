@@ -2,6 +2,11 @@
 the tiny config of every family (tests/tiny_models.py), with the counting code `mindspeed-hf bench` uses
 (mindspeed_hf/cli/bench_counts.py). Counts, not timings: the same code gives the same table on any machine.
 
+The optimizer is the one Trainer builds by default on both sides (`optim="adamw_torch_fused"` on every supported
+transformers release with torch >= 2.8): torch.optim.AdamW(fused=True) over Trainer's two parameter groups (with and
+without weight decay), i.e. one `_fused_adamw_` kernel per group, on the CPU as on an NPU (torch_npu registers
+`_fused_adamw_` for its device).
+
     python benchmarks/bench_op_counts.py --out benchmarks/results/op_counts.md
 
 Two accelerated columns: the torch backend (the CPU reference kernels: the same math as HF, so no reduction is
@@ -26,7 +31,7 @@ from results_io import emit  # noqa: E402  (benchmarks/, beside this script)
 from tiny_models import FAMILY_CONFIGS, VOCAB, tiny_model  # noqa: E402
 
 import mindspeed_hf  # noqa: E402
-from mindspeed_hf.cli.bench_counts import count_model_step  # noqa: E402
+from mindspeed_hf.cli.bench_counts import count_step  # noqa: E402
 from mindspeed_hf.config import config_from_dict  # noqa: E402
 from mindspeed_hf.device import import_torch_npu  # noqa: E402
 
@@ -38,15 +43,41 @@ def _batch(batch: int, seq: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def trainer_default_adamw(model: torch.nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """Trainer's default optimizer: fused AdamW over its two groups (decay: the matrices; no decay: the 1-D norm and
+    bias parameters; TrainingArguments' default weight_decay is 0.0 for both)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.0},
+              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, fused=True)
+
+
+def count_trainer_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict:
+    """count_step of one training step (forward with labels, backward, gradient clipping, the optimizer step, as
+    Trainer runs them), after one uncounted step that creates the optimizer state."""
+    optimizer = trainer_default_adamw(model)
+
+    def step() -> None:
+        model(**batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    with count_step(model) as counts:
+        step()
+    return counts
+
+
 def counts_for(family: str, backend: str | None, batch: dict[str, torch.Tensor]) -> dict:
     """Counts of one step of `family`'s tiny model: plain HF (backend None) or accelerated on `backend`."""
     model = tiny_model(family).train()
     if backend is None:
-        return count_model_step(model, batch)
+        return count_trainer_step(model, batch)
     mindspeed_hf.enable()
     try:
         mindspeed_hf.apply_to_model(model, config_from_dict({"backend": backend}))
-        return count_model_step(model, batch)
+        return count_trainer_step(model, batch)
     finally:
         mindspeed_hf.disable()
 
@@ -91,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         import_torch_npu.cache_clear()
     npu = "real torch_npu" if "npu_standin" not in str(getattr(import_torch_npu(), "__file__", "")) else "stand-in"
     body = table(families, ["torch", "npu"], _batch(args.batch, args.seq))
-    text = (f"## Kernels dispatched per training step (forward + backward + AdamW), tiny configs, batch "
-            f"{args.batch} x {args.seq}, fp32\n\n`python benchmarks/bench_op_counts.py` (torch {torch.__version__}; "
-            f"npu backend through the {npu}). Kernels = aten operators outside torch_npu calls + torch_npu calls "
-            f"(each call and its backward one kernel).\n\n{body}\n")
+    text = (f"## Kernels dispatched per training step (forward + backward + gradient clipping + Trainer's default "
+            f"fused AdamW), tiny configs, batch {args.batch} x {args.seq}, fp32\n\n"
+            f"`python benchmarks/bench_op_counts.py` (torch {torch.__version__}; npu backend through the {npu}). "
+            f"Kernels = aten operators outside torch_npu calls + torch_npu calls (each call and its backward one "
+            f"kernel). The optimizer step is one `_fused_adamw_` per parameter group on both sides.\n\n{body}\n")
     emit(text, args.out)
     return 0
 

@@ -4,6 +4,7 @@ disable() restores the original objects and the original numbers."""
 
 import pytest
 import torch
+import transformers
 from tiny_models import FAMILY_CONFIGS, assert_close_grads, loss_and_grads, packed_batch, padded_batch, tiny_model
 
 import mindspeed_hf
@@ -17,8 +18,11 @@ from mindspeed_hf.patches.forwards import checkpointing_cell
 # (tests/models/test_vlm.py, the Qwen3-TTS example's).
 TEXT_FAMILIES = {name: family for name, family in FAMILIES.items() if family.causal_lm}
 # Families whose decoder layers run the residual add fused into the norm after it (add_rms_norm). Phi-3 (dropout on
-# the residual branch) and GPT-OSS (its own RMSNorm) keep HF's layer forward.
-ADD_NORM_FAMILIES = {name for name, family in TEXT_FAMILIES.items() if family.decoder_layer}
+# the residual branch) and GPT-OSS (its own RMSNorm) keep HF's layer forward; so do, on transformers 4.x, the layers
+# whose body differs there (MoE outputs unpacked from tuples, tuples returned, Mixtral's `block_sparse_moe`).
+ADD_NORM_FAMILIES = {name for name, family in TEXT_FAMILIES.items() if family.decoder_layer} - (
+    set() if int(transformers.__version__.split(".")[0]) >= 5 else {
+        "qwen2_moe", "qwen3_moe", "ernie4_5_moe", "mixtral", "olmoe", "gemma2", "gemma3_text"})
 BATCHES = {"right_padded": padded_batch, "left_padded": lambda: padded_batch(left=True), "packed": packed_batch}
 
 
@@ -79,12 +83,14 @@ def test_family_parity(model_type, backend):
 
 
 def test_add_norm_families():
-    """Every family whose decoder layer has HF's add-then-norm shape fuses it on this release (not only those)."""
-    assert ADD_NORM_FAMILIES == set(TEXT_FAMILIES) - {"phi3", "gpt_oss"}
+    """The families whose decoder layer has HF's add-then-norm shape on this release fuse it, and only those."""
+    assert {n for n, f in TEXT_FAMILIES.items() if f.decoder_layer} == set(TEXT_FAMILIES) - {"phi3", "gpt_oss"}
     mindspeed_hf.enable()
     from mindspeed_hf.patches import apply
 
-    assert {cls.__name__ for cls in apply._fused_layers} >= {TEXT_FAMILIES[n].decoder_layer for n in ADD_NORM_FAMILIES}
+    text_layers = {TEXT_FAMILIES[n].decoder_layer for n in TEXT_FAMILIES}
+    assert {cls.__name__ for cls in apply._fused_layers} & text_layers == {
+        TEXT_FAMILIES[n].decoder_layer for n in ADD_NORM_FAMILIES}
 
 
 def test_add_norm_falls_back_where_the_norm_is_not_plainly_ours():
