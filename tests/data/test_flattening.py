@@ -185,7 +185,8 @@ def test_refusals():
     with pytest.raises(ValueError, match="return_position_ids=False with vision inputs"):
         FlatteningCollator(return_position_ids=False)(rows)
     with pytest.raises(ValueError, match="mm_token_type_ids is given for some rows"):
-        FlatteningCollator()([rows[0], {k: v for k, v in rows[1].items() if k != "mm_token_type_ids"}])
+        typed = {**rows[0], "mm_token_type_ids": [0] * len(rows[0]["input_ids"])}
+        FlatteningCollator()([typed, {k: v for k, v in rows[1].items() if k != "mm_token_type_ids"}])
 
 
 def test_disable_restores_hf_forward():
