@@ -110,6 +110,26 @@ def test_add_norm_falls_back_where_the_norm_is_not_plainly_ours():
     assert mindspeed_hf.report(model)["add_rms_norm_layers"] == 0
 
 
+def test_add_norm_keeps_gradient_checkpointing():
+    """With HF's gradient checkpointing on, the fused layers give the plain model's numbers, and transformers' own
+    checkpointing wrapper of the layer forward (5.24+) stays in place: only what it calls is ours."""
+    from transformers.models.llama import modeling_llama
+
+    before = modeling_llama.LlamaDecoderLayer.forward
+    model = tiny_model("llama").train()
+    model.gradient_checkpointing_enable()
+    batch = padded_batch()
+    expected = loss_and_grads(model, batch)
+    mindspeed_hf.enable()
+    mindspeed_hf.apply_to_model(model)
+    assert (modeling_llama.LlamaDecoderLayer.forward is before) == (checkpointing_cell(before) is not None)
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
+    assert_close_grads(expected[1], grads)
+    # once in the forward, once more where checkpointing reran each layer in backward
+    assert mindspeed_hf.report(model)["ran"]["add_rms_norm"] == 2 * model.config.num_hidden_layers
+
+
 def test_models_built_while_enabled_use_kernels_and_survive_disable():
     mindspeed_hf.enable()
     model = tiny_model("qwen3")
