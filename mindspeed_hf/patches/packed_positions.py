@@ -23,9 +23,6 @@ import torch
 from torch import nn
 from transformers import masking_utils
 
-#: Arguments of HF's get_rope_index taken per document (the releases name a subset of them).
-_PER_VIDEO = ("video_grid_thw", "second_per_grid_ts")
-
 
 def rope_index_owners(module) -> list[type]:
     """The classes of a Qwen-VL modeling module that define `get_rope_index` themselves (XModel)."""
@@ -66,8 +63,9 @@ class _Grids:
             total += self.tokens[self.next]
             self.next += 1
         if total != count:
-            raise ValueError(f"packed row: a document has {count} image/video tokens, which its grids "
-                             f"({self.grids[first:self.next].tolist()}) do not add up to")
+            given = [] if self.grids is None else self.grids[first:self.next].tolist()
+            raise ValueError(f"packed row: a document has {count} image/video tokens, which the next grids "
+                             f"({given}) do not add up to")
         extra = None if self.extra is None else self.extra[first:self.next]
         return self.grids[first:self.next], extra
 
@@ -89,11 +87,14 @@ def packed_rope_positions(model: nn.Module, input_ids: torch.Tensor, text_positi
     if "mm_token_type_ids" in parameters and token_types is None:
         # HF's own rule without token types: no M-RoPE (Qwen2.5-VL falls back to the text positions)
         return torch.cat([text_positions.unsqueeze(0), rope])
+    # which tokens are image / video placeholders, read to the host once (not once per document)
+    image_flags, video_flags = torch.stack([input_ids == config.image_token_id,
+                                            input_ids == config.video_token_id]).tolist()
     for row, documents in enumerate(spans):
         for start, end in documents:
             ids = input_ids[row:row + 1, start:end]
-            image_grids, _ = images.take(int((ids == config.image_token_id).sum()))
-            video_grids, seconds = videos.take(int((ids == config.video_token_id).sum()))
+            image_grids, _ = images.take(sum(image_flags[row][start:end]))
+            video_grids, seconds = videos.take(sum(video_flags[row][start:end]))
             if image_grids is None and video_grids is None:
                 continue
             given = {"input_ids": ids, "image_grid_thw": image_grids, "video_grid_thw": video_grids,
