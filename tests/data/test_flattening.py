@@ -197,3 +197,25 @@ def test_disable_restores_hf_forward():
     assert vars(modeling.Qwen2_5_VLModel)["forward"] is not original
     mindspeed_hf.disable()
     assert vars(modeling.Qwen2_5_VLModel)["forward"] is original
+
+
+def test_trainer_packed_equals_padded(tmp_path):
+    """The drop-in use: a plain transformers.Trainer (4 rows a step, shuffled with one seed) with
+    FlatteningCollator and mindspeed_hf enabled logs the losses of the same Trainer on padded rows, plain HF."""
+    from transformers import Trainer, TrainingArguments
+
+    rows = [row for group in _groups("qwen2_5_vl", True) for row in group]
+
+    def logged_losses(collator) -> list[float]:
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=PER_STEP, max_steps=4,
+                                 learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, report_to=[],
+                                 save_strategy="no", seed=0, remove_unused_columns=False, use_cpu=True)
+        trainer = Trainer(model=_model("qwen2_5_vl"), args=args, train_dataset=rows, data_collator=collator)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    padded = logged_losses(pad_rows)
+    mindspeed_hf.enable()
+    packed = logged_losses(FlatteningCollator())
+    assert len(packed) == len(padded) == 4
+    assert max(abs(a - b) for a, b in zip(packed, padded)) <= 1e-5, (packed, padded)
