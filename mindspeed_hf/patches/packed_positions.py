@@ -134,8 +134,8 @@ def packed_positions_forward(original: Callable) -> Callable:
 
 def patch_family(family, module, record: Callable[[Any, str, Any], None]) -> None:
     """Wrap the forward of every class of a Qwen-VL family's module that owns get_rope_index (a VLM entry with
-    a text rope: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe). `record(owner, name, value)` is the patch engine's
-    recorded setter, so disable() restores HF's forward."""
+    its own vision tower: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe). `record(owner, name, value)` is the
+    patch engine's recorded setter, so disable() restores HF's forward."""
     if not (family.vlm_heads and family.vision_model):
         return
     for cls in rope_index_owners(module):
