@@ -224,10 +224,21 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
+def _group_sizes(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert id, int64 [num_experts]. While torch.compile traces: a scatter-add into a fixed-size buffer
+    (bincount's output size depends on the data, a graph break wherever fullgraph is not asked for, as in
+    transformers' default CompileConfig). In eager mode bincount, whose longer output shows ids past the experts
+    (experts_mlp refuses them)."""
+    if torch.compiler.is_compiling():
+        ids = flat.long()
+        return ids.new_zeros(num_experts).scatter_add_(0, ids, torch.ones_like(ids))
+    return torch.bincount(flat, minlength=num_experts)
+
+
 def permute(hidden: torch.Tensor, top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, Routing]:
     """Rows of `hidden` [T, H] repeated per top-k slot and grouped by expert (stable): ([T * k, H], Routing)."""
     flat = top_k_index.reshape(-1)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = _group_sizes(flat, num_experts)
     if resolve_backend(hidden.device) == "npu" and hidden.shape[0]:
         rows, sorted_indices = import_torch_npu().npu_moe_token_permute(hidden, top_k_index)
         routing = Routing(_inverse(sorted_indices.long()), counts, hidden.shape[0], top_k_index.shape[-1],

@@ -123,6 +123,21 @@ def test_eager_forwards_between_compiled_calls_do_not_recompile():
     assert mindspeed_hf.report(model)["ran"]["rms_norm"] > 0  # the eager forwards are still counted
 
 
+@pytest.mark.skipif(compat.experts_registry() is None, reason="the fused experts kernel needs transformers >= 5.10")
+def test_an_moe_forward_compiled_without_fullgraph_is_one_graph():
+    """transformers' default CompileConfig (generate with a static cache) does not ask for fullgraph: there a
+    data-dependent output shape (the experts' group sizes) would split the forward into pieces run eagerly. One graph,
+    HF's values."""
+    mindspeed_hf.enable()
+    torch._dynamo.reset()
+    graphs, backend = _graph_counter()
+    model = tiny_model("qwen3_moe").eval()
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=_ids()).logits, model(input_ids=_ids()).logits, atol=1e-5, rtol=0)
+    assert len(graphs) == 1
+
+
 def test_trainer_with_torch_compile_trains_as_eager(tmp_path, caplog):
     """Trainer's own torch_compile=True (accelerate compiles the model): the same losses as the eager accelerated
     run, and no "never ran" warning for kernels that ran inside the compiled graph."""
