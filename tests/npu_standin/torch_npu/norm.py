@@ -34,15 +34,46 @@ def _rms_norm(x32: torch.Tensor, gamma: torch.Tensor, epsilon: float, dtype: tor
     return y, rstd
 
 
+def _rms_norm_grads(dy, x, gamma, rstd):
+    """(dx in x's dtype, dgamma fp32) of y = x * rstd * gamma, computed in fp32 from the saved rstd."""
+    g = gamma.dim()
+    dims = tuple(range(x.dim() - g, x.dim()))
+    with torch.no_grad():
+        normed = x.float() * rstd
+        dnormed = dy.float() * gamma.float()
+        dx = rstd * (dnormed - normed * (dnormed * normed).mean(dim=dims, keepdim=True))
+        dgamma = (dy.float() * normed).sum(dim=tuple(range(x.dim() - g)))
+    return dx.to(x.dtype), dgamma
+
+
+class _RmsNorm(torch.autograd.Function):
+    """npu_rms_norm with its registered derivative: the backward is npu_rms_norm_backward's math (as on the device,
+    where derivatives.yaml maps npu_rms_norm's gradient to npu_rms_norm_backward)."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, epsilon):
+        y, rstd = _rms_norm(x.float(), gamma, epsilon, x.dtype)
+        ctx.save_for_backward(x, gamma, rstd)
+        ctx.mark_non_differentiable(rstd)
+        return y, rstd
+
+    @staticmethod
+    def backward(ctx, dy, _drstd):
+        x, gamma, rstd = ctx.saved_tensors
+        dx, dgamma = _rms_norm_grads(dy, x, gamma, rstd)
+        return dx, dgamma.to(gamma.dtype), None
+
+
 def npu_rms_norm(input, gamma, epsilon=1e-06):
     """(y, rstd): y = input * rsqrt(mean(input^2) + eps) * gamma, computed in fp32 and cast to input's dtype.
 
-    rstd is fp32 with shape input.shape[:-g] + (1,) * g, g = gamma.dim(). Differentiable in input and gamma.
+    rstd is fp32 with shape input.shape[:-g] + (1,) * g, g = gamma.dim(). Differentiable in input and gamma (through
+    npu_rms_norm_backward's math, as on the device).
     """
     op = "npu_rms_norm"
     x = C.float_tensor(op, "input", input)
     gamma = _check_norm_args(op, x, gamma, epsilon)
-    return _rms_norm(x.float(), gamma, float(epsilon), x.dtype)
+    return _RmsNorm.apply(x, gamma, float(epsilon))
 
 
 def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06):
@@ -78,11 +109,4 @@ def npu_rms_norm_backward(dy, self, gamma, rstd):
     g = gamma.dim()
     want = tuple(x.shape[: x.dim() - g]) + (1,) * g
     C.check(tuple(rstd.shape) == want, op, f"rstd shape {tuple(rstd.shape)} must be {want}")
-    dims = tuple(range(x.dim() - g, x.dim()))
-    with torch.no_grad():
-        x32, dy32, g32 = x.float(), dy.float(), gamma.float()
-        normed = x32 * rstd
-        dnormed = dy32 * g32
-        dx = rstd * (dnormed - normed * (dnormed * normed).mean(dim=dims, keepdim=True))
-        dgamma = (dy32 * normed).sum(dim=tuple(range(x.dim() - g)))
-    return C.no_autograd(op, (dx.to(x.dtype), dgamma), (dy, x, gamma, rstd))
+    return C.no_autograd(op, _rms_norm_grads(dy, x, gamma, rstd), (dy, x, gamma, rstd))
