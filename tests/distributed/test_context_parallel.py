@@ -92,6 +92,10 @@ def test_model_checks_name_the_problem():
         check_context_parallel(tiny_model("gemma2"), 1)
     with pytest.raises(ValueError, match="attention_dropout=0.1 must be 0"):
         check_context_parallel(tiny_model("llama", attention_dropout=0.1), 1)
+    from tiny_vlms import tiny_vlm  # the crash of issue #26 (image tokens split from their features): refused
+
+    with pytest.raises(ValueError, match="parallel.cp: context parallelism does not split vision-language models yet"):
+        check_context_parallel(tiny_vlm("qwen2_vl"), 1)
 
 
 def _ctx(cp: int = 2, rank: int = 0, zigzag: bool = True) -> ContextParallel:

@@ -154,6 +154,11 @@ def register_cp_attention() -> None:
 def check_context_parallel(hf_model: nn.Module, ulysses: int) -> None:
     """One-line errors, before any work, for a model whose attention cannot be split over the cp group."""
     config = hf_model.config
+    if getattr(config, "vision_config", None) is not None:
+        raise ValueError(f"parallel.cp: context parallelism does not split vision-language models yet "
+                         f"({config.model_type}: the batch is split before the model merges the image features into "
+                         "the text, so a rank would hold part of an image's tokens but all of its features); valid "
+                         "choices: parallel.cp=1 (dp_shard, ep and tp work), or a text-only model")
     text = getattr(config, "get_text_config", lambda: config)()
     heads = getattr(text, "num_attention_heads", None)
     if heads is None:
