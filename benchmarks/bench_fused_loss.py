@@ -15,7 +15,8 @@ weights, gradients and AdamW state; step time is the median of the steps after t
 --loop: a custom training loop (`model(**batch).loss.backward()`, the same AdamW steps) instead of Trainer: outside
 Trainer nothing marks the forward, and the logits are made on first read (never, here).
 --fsdp N: that loop under FSDP2 on N CPU processes (torchrun, gloo; `fully_shard` on every decoder layer and on the
-model, as a user's own loop does), the same global batch split over the ranks; peak memory is the largest rank's.
+model, as a user's own loop does), each rank running the same per-device batch on its own rows (global batch N x 2);
+peak memory is the largest rank's.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def worker(variant: str, chunk: int, threads: int, loop: bool = False, fsdp: int
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, attn_implementation="sdpa")).float()
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=gen).tolist()
+    ranks = fsdp or 1  # each rank runs the same per-device batch, as Trainer's per_device_train_batch_size
+    ids = torch.randint(0, SHAPE["vocab_size"], (BATCH * ranks, SEQ), generator=gen).tolist()
     rows = [{"input_ids": row, "labels": row} for row in ids] * STEPS
     losses, times = [], []
 
@@ -76,9 +78,8 @@ def worker(variant: str, chunk: int, threads: int, loop: bool = False, fsdp: int
 
         rank = _shard(model) if fsdp else 0
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-        per = BATCH // (fsdp or 1)
-        loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, collate_fn=lambda b: {
-            k: torch.tensor([r[k] for r in b[rank * per:(rank + 1) * per]]) for k in b[0]})
+        loader = torch.utils.data.DataLoader(rows, batch_size=BATCH * ranks, collate_fn=lambda b: {
+            k: torch.tensor([r[k] for r in b[rank * BATCH:(rank + 1) * BATCH]]) for k in b[0]})
         rss_init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         model.train()
         for batch in loader:
@@ -215,7 +216,7 @@ def main() -> None:
         f"{SHAPE['hidden_size']}, intermediate {SHAPE['intermediate_size']}, {SHAPE['num_attention_heads']} heads x "
         f"{SHAPE['head_dim']} ({SHAPE['num_key_value_heads']} KV), untied lm_head; batch {BATCH} x {SEQ} tokens, "
         f"AdamW, {STEPS} {'custom-loop' if args.loop else 'Trainer'} steps"
-        f"{f' under FSDP2 on {args.fsdp} processes (peak: the largest rank)' if args.fsdp else ''}, "
+        f"{f' under FSDP2 on {args.fsdp} processes, {BATCH} rows each (peak: the largest rank)' if args.fsdp else ''}, "
         f"{args.repeats} plain/fused subprocess pairs run alternately; torch threads "
         f"{plain[0]['threads']}; fused chunk {chunk} rows. Peak memory is ru_maxrss of each subprocess (interpreter, "
         "weights, grads and AdamW state included). The machine's 2 cores are shared with other jobs, so step "

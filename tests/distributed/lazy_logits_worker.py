@@ -4,9 +4,10 @@ Rank 0 first runs plain Hugging Face (mindspeed_hf disabled) on the global batch
 mindspeed_hf and runs the same steps data-parallel under FSDP2, in two shardings:
   user: `fully_shard` on every decoder layer and on the model, as a user's own loop does;
   ours: mindspeed_hf.parallel.apply_fsdp (final norm + lm_head as their own group);
-and once under DDP. `user` reads only the loss (the logits must never be built); `ours` and `ddp` add a term built on
-`outputs.logits` before the backward (they are built once, with HF's gradients). Afterwards a first read of logits whose forward is
-behind an optimizer step must raise the error that names the way out. Rank 0 writes the report to --out.
+and once under DDP. `user` reads only the loss (the logits must never be built); `ours` and `ddp` add a term built
+on `outputs.logits` before the backward (they are built once, with HF's gradients). Afterwards a first read of
+logits whose forward is behind an optimizer step must raise the error that names the way out. Rank 0 writes the
+report to --out.
 """
 
 from __future__ import annotations

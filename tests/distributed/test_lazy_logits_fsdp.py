@@ -1,6 +1,7 @@
-"""A custom training loop under FSDP2 and DDP (2 ranks, gloo): the fused loss with logits made on first read equals plain HF in
-one process (losses 1e-5 per step, parameters after 3 AdamW steps), builds no logits when only the loss is read,
-builds them once with HF's gradients when a loss term reads them, and refuses a read behind an optimizer step."""
+"""A custom training loop under FSDP2 and DDP (2 ranks, gloo): the fused loss with logits made on first read equals
+plain HF in one process (losses 1e-5 per step, parameters after 3 AdamW steps), builds no logits when only the loss
+is read, builds them once with HF's gradients when a loss term reads them, and refuses a read behind an optimizer
+step."""
 
 from __future__ import annotations
 
