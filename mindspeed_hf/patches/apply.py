@@ -132,7 +132,14 @@ def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
         cls = getattr(module, name)
         if not _patches.is_patched(cls, "forward"):
             _switch_method(cls, "forward", "fused_linear_cross_entropy", causal_lm.laid_out_as(cls.forward))
-    multimodal.patch_family(family, module, _switch_method)
+    multimodal.patch_family(family, module, _switch_method, _set_once)
+
+
+def _set_once(owner: Any, name: str, value: Any) -> None:
+    """owner.name = value through the patch record (disable() restores it), unless it is patched already; no kernel
+    switch: for fixes that apply whenever the package is enabled."""
+    if not _patches.is_patched(owner, name):
+        _patches.set(owner, name, value)
 
 
 def enable(config: MindSpeedConfig | None = None) -> None:

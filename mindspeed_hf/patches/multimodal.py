@@ -156,9 +156,11 @@ def sectioned_mrope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 tag("rope", sectioned_mrope_forward)
 
 
-def patch_family(family, module, switch_method: Callable[[Any, str, str, Callable], None]) -> None:
+def patch_family(family, module, switch_method: Callable[[Any, str, str, Callable], None],
+                 set_once: Callable[[Any, str, Any], None]) -> None:
     """Patch a family's vision attention classes, vision rope and VLM heads (names the installed release lacks
-    are skipped). `switch_method(owner, name, op, fast)` is apply's recorded, config-switched patcher."""
+    are skipped), and packed rows' per-document positions. `switch_method(owner, name, op, fast)` is apply's
+    recorded, config-switched patcher; `set_once(owner, name, value)` its recorded patcher without a switch."""
     for name in family.vision_attention:
         cls = getattr(module, name, None)
         if cls is not None:
@@ -171,17 +173,7 @@ def patch_family(family, module, switch_method: Callable[[Any, str, str, Callabl
         cls = getattr(module, name, None)
         if cls is not None:
             switch_method(cls, "forward", "fused_linear_cross_entropy", vlm_head_forward(cls.forward))
-    packed_positions.patch_family(family, module, _recorded_set)
-
-
-def _recorded_set(owner: Any, name: str, value: Any) -> None:
-    """Set owner.name through the patch engine's record (disable() restores it), with no kernel switch: the
-    per-document positions of packed rows are a correctness fix, on whenever the package is enabled.
-    (apply.py hands patch_family only its kernel-switched patcher, hence the engine's record is read here.)"""
-    from .apply import _patches
-
-    if not _patches.is_patched(owner, name):
-        _patches.set(owner, name, value)
+    packed_positions.patch_family(family, module, set_once)
 
 
 def _rope_patched(family, module) -> bool:
