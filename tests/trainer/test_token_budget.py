@@ -1,7 +1,7 @@
 """Token-budget batches (`data.max_tokens_per_batch`; data/token_budget.py, trainers/batching.py): batches never exceed
 the budget, every row once per epoch, deterministic per seed, a batch count dealt evenly to the dp ranks; through a
-plain Trainer each step's loss equals plain HF's loss on the same rows padded (the loss normalised by the real token
-count), and a run resumed mid-epoch trains the same batches to the same losses as the uninterrupted one."""
+plain Trainer each step's loss equals a plain HF Trainer's on the same batches (the loss normalised by the release's
+own token count), and a run resumed mid-epoch trains the same batches to the same losses as the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -131,19 +131,28 @@ def _tokens(batch) -> int:
     return batch["input_ids"].numel()
 
 
-def _hf_losses(batches) -> list[float]:
-    """Plain HF (mindspeed_hf disabled): the same rows of each batch, padded, the same AdamW steps, HF's own loss."""
+def _hf_losses(tmp_path, batches) -> list[float]:
+    """Plain HF (mindspeed_hf disabled): a plain Trainer fed exactly the batches our run trained on, in the same
+    order, so the loss normalisation is that release's own."""
+    from torch.utils.data import DataLoader
+
     mindspeed_hf.disable()
-    model = tiny_model("qwen3").train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)  # Trainer's defaults, no clipping
-    out = []
-    for batch in batches:
-        loss = model(**_pad([{"input_ids": d, "labels": d} for d in _documents(batch)])).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    losses: list[float] = []
+
+    class Fixed(Trainer):
+        def get_train_dataloader(self):
+            return self.accelerator.prepare(DataLoader(batches, batch_size=1, collate_fn=lambda b: b[0]))
+
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            losses.append(loss.item())
+            return loss
+
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), num_train_epochs=1, learning_rate=1e-3, max_grad_norm=0,
+                             lr_scheduler_type="constant", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+                             save_strategy="no", dataloader_pin_memory=False)
+    Fixed(model=tiny_model("qwen3"), args=args, train_dataset=batches).train()
+    return losses
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -157,7 +166,7 @@ def test_trainer_steps_fit_the_budget_and_equal_plain_hf(tmp_path, packed):
     for epoch in range(2):
         seen = [d for b in batches[epoch * per_epoch:(epoch + 1) * per_epoch] for d in _documents(b)]
         assert sorted(seen) == rows  # every row once per epoch
-    reference = _hf_losses(batches)
+    reference = _hf_losses(tmp_path, batches)
     assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-5, (losses, reference)
 
 
