@@ -202,7 +202,14 @@ SEAMS: tuple[Seam, ...] = (
     Seam("Module._parameters", "instance",
          "a module's DTensor parameters swapped for their local tensors while it runs (parallel/tensor.py)",
          since="2.6", package="torch", owner="torch.nn.Module", feature="tensor parallelism (parallel/tensor.py)"),
+    Seam("module._global_forward_hooks", "object", "a norm with a global forward hook keeps HF's layer (the fused "
+         "add + RMSNorm would skip it; patches/forwards.py)", since="2.6", package="torch",
+         owner="torch.nn.modules.module"),
+    Seam("module._global_forward_pre_hooks", "object", "as _global_forward_hooks (patches/forwards.py)", since="2.6",
+         package="torch", owner="torch.nn.modules.module"),
     # torch: tensors and storages
+    Seam("Tensor._base", "object", "deferred logits answer FSDP2's view check on a forward's outputs without being "
+         "computed (patches/lazy_logits.py)", since="2.6", package="torch", owner="torch.Tensor"),
     Seam("Tensor._version", "object", "a cached mask is reused only while its source tensor was not written "
          "(ops/varlen.py)", since="2.6", package="torch", owner="torch.Tensor"),
     Seam("Tensor._is_view", "object", "views are not offloaded (memory/offload.py)", since="2.6", package="torch",

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from transformers import HfArgumentParser
 
-from mindspeed_hf.config import MindSpeedConfig, config_from_dict, settings
+from mindspeed_hf.config import SECTIONS, MindSpeedConfig, config_from_dict, settings
 from mindspeed_hf.trainers import MindSpeedTrainingArguments
 from mindspeed_hf.trainers.run import run_of
 
@@ -34,7 +34,7 @@ def test_every_config_setting_has_an_argument():
     config = MindSpeedConfig()
     covered = set(MindSpeedTrainingArguments.config_fields().values())
     expected = {(None, "backend")} | {
-        (section, f.name) for section in ("kernels", "parallel", "memory", "moe", "checkpoints")
+        (section, f.name) for section in SECTIONS
         for f in dataclasses.fields(getattr(config, section))
     }
     assert covered == expected
