@@ -149,10 +149,12 @@ def _ours(hooks: dict) -> bool:
 
 def _plain_norm(norm: nn.Module, classes: tuple[type, ...]) -> bool:
     """The norm runs nothing but its class forward (ours) inside our own scope hooks: no other hook, no instance
-    forward, plain tensor weights."""
+    forward, no other library's class forward (LLaMA-Factory's liger patch: its kernel keeps running, and report()
+    names it), plain tensor weights."""
     from torch.nn.modules import module as torch_module
 
-    return (type(norm) in classes and "forward" not in vars(norm) and _ours(norm._forward_hooks)
+    return (type(norm) in classes and "forward" not in vars(norm)
+            and getattr(type(norm).forward, "_mindspeed_op", None) == "rms_norm" and _ours(norm._forward_hooks)
             and _ours(norm._forward_pre_hooks) and type(norm.weight) in (torch.Tensor, nn.Parameter)
             and not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks)
 
