@@ -333,7 +333,7 @@ def report(model: nn.Module) -> dict[str, Any]:
                 vision["attention"] += op is not None and on[op] and ours
                 vision["rope"] += vision_rope and on["rope"]
                 continue
-            if type(sub) in _fused_layers and op in (None, "add_rms_norm"):  # its add runs fused into its norm
+            if op == "add_rms_norm" or (op is None and isinstance(sub, tuple(_fused_layers))):  # fused add
                 layers += on["rms_norm"]
             elif op is not None:
                 (vision if id(sub) in vision_ids else counts)[op] += on[op]
