@@ -31,7 +31,7 @@ from results_io import emit  # noqa: E402  (benchmarks/, beside this script)
 from tiny_models import FAMILY_CONFIGS, VOCAB, tiny_model  # noqa: E402
 
 import mindspeed_hf  # noqa: E402
-from mindspeed_hf.cli.bench_counts import count_step  # noqa: E402
+from mindspeed_hf.cli.bench_counts import count_model_step  # noqa: E402
 from mindspeed_hf.config import config_from_dict  # noqa: E402
 from mindspeed_hf.device import import_torch_npu  # noqa: E402
 
@@ -53,20 +53,9 @@ def trainer_default_adamw(model: torch.nn.Module, lr: float = 1e-3) -> torch.opt
 
 
 def count_trainer_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict:
-    """count_step of one training step (forward with labels, backward, gradient clipping, the optimizer step, as
-    Trainer runs them), after one uncounted step that creates the optimizer state."""
-    optimizer = trainer_default_adamw(model)
-
-    def step() -> None:
-        model(**batch).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    with count_step(model) as counts:
-        step()
-    return counts
+    """count_model_step of one training step as Trainer runs it: gradient clipping at 1.0 and Trainer's default
+    fused AdamW."""
+    return count_model_step(model, batch, optimizer=trainer_default_adamw(model), max_grad_norm=1.0)
 
 
 def counts_for(family: str, backend: str | None, batch: dict[str, torch.Tensor]) -> dict:

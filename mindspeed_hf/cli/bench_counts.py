@@ -137,13 +137,18 @@ def count_step(model: torch.nn.Module) -> Iterator[dict[str, Any]]:
                   saved_bytes=saved.nbytes, saved_tensors=saved.count, largest_alloc_bytes=counter.largest)
 
 
-def count_model_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], lr: float = 1e-3) -> dict[str, Any]:
-    """count_step of one training step of `model` on `batch` (forward with labels, backward, AdamW step), after one
-    uncounted step that creates the optimizer state; what benchmarks/bench_op_counts.py reports per family."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+def count_model_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], lr: float = 1e-3,
+                     optimizer: torch.optim.Optimizer | None = None,
+                     max_grad_norm: float | None = None) -> dict[str, Any]:
+    """count_step of one training step of `model` on `batch` (forward with labels, backward, gradient clipping when
+    `max_grad_norm` is set, the optimizer step: `optimizer`, else AdamW at `lr`), after one uncounted step that
+    creates the optimizer state."""
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
 
     def step() -> None:
         model(**batch).loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
