@@ -69,6 +69,14 @@ def _named_parameters(forward: Callable) -> frozenset[str] | None:
     return _NAMED[forward]
 
 
+def global_module_hooks() -> bool:
+    """Whether any forward hook is registered for every module (`torch.nn.modules.module.
+    register_module_forward_hook` / `_pre_hook`): a fused path that skips a module call would skip those too."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+
+
 def accepted_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The part of `kwargs` that `module.forward` accepts.
 

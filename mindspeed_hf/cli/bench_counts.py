@@ -5,12 +5,14 @@ step, as Trainer runs it) dispatches and keeps, counted rather than timed, so th
   torch_npu call and its backward: a torch_npu call is one kernel, not the ops a stand-in computes it with.
 - `npu_calls`: calls of torch_npu's `npu_*` functions (the kernels the NPU path launches from Python), plus one
   backward kernel (`<name>.backward`) for each call whose autograd nodes run in the backward.
-- `saved_bytes`: distinct non-parameter storages autograd saves for backward (memory/measure.py's SavedStorages).
+- `saved_bytes`: distinct non-parameter storages autograd saves for backward (memory/measure.py's SavedStorages),
+  measured on the NEXT step: its saved-tensor hooks make autograd dispatch one `detach` per saved tensor when the
+  backward unpacks it, which a step that is not being measured never runs, so they must not be in the op counts.
 - `largest_alloc_bytes`: the largest storage an operator created (an output storage none of its inputs had).
 
 The same code on the same inputs gives the same counts. `counted_run` (what `mindspeed-hf bench` runs in a child
-process, bench_child.py) runs two steps of the `train` run and counts the second (the first creates the optimizer
-state).
+process, bench_child.py) runs three steps of the `train` run: the first creates the optimizer state, the second is
+counted, the third's saved tensors measured.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..device import import_torch_npu
 from ..memory.measure import SavedStorages
 
 COUNTED_STEP = 2  # step 1 creates the optimizer state (one-time ops); step 2 is what every later step does
+SAVED_STEP = COUNTED_STEP + 1  # the step whose saved tensors are measured (hooks of their own: see above)
 PROFILE_STEPS = 3  # steps traced after the counted one with --profile
 
 
@@ -122,19 +125,27 @@ def _npu_counted(counter: OpCounter) -> Iterator[None]:
 
 @contextlib.contextmanager
 def count_step(model: torch.nn.Module) -> Iterator[dict[str, Any]]:
-    """Count everything run inside the block (see the module docstring); the yielded dict is filled on exit with
-    torch_npu (the module's file, or None), aten_ops, aten_by_op, npu_calls, npu_by_op, saved_bytes, saved_tensors,
-    largest_alloc_bytes."""
+    """Count the kernels run inside the block (see the module docstring); the yielded dict is filled on exit with
+    torch_npu (the module's file, or None), aten_ops, aten_by_op, npu_calls, npu_by_op, largest_alloc_bytes."""
     counts: dict[str, Any] = {}
     counter = OpCounter()
-    saved = SavedStorages(model)
-    with _npu_counted(counter), counter, saved.hooks():
+    with _npu_counted(counter), counter:
         yield counts
     module = import_torch_npu()
     counts.update(torch_npu=None if module is None else str(getattr(module, "__file__", "torch_npu")),
                   aten_ops=sum(counter.aten.values()), aten_by_op=dict(sorted(counter.aten.items())),
                   npu_calls=sum(counter.npu.values()), npu_by_op=dict(sorted(counter.npu.items())),
-                  saved_bytes=saved.nbytes, saved_tensors=saved.count, largest_alloc_bytes=counter.largest)
+                  largest_alloc_bytes=counter.largest)
+
+
+@contextlib.contextmanager
+def measure_saved(model: torch.nn.Module, counts: dict[str, Any]) -> Iterator[None]:
+    """Record in `counts` what autograd saves for backward inside the block: saved_bytes, saved_tensors (a step
+    of its own: the hooks that see the saved tensors add ops to the backward)."""
+    saved = SavedStorages(model)
+    with saved.hooks():
+        yield
+    counts.update(saved_bytes=saved.nbytes, saved_tensors=saved.count)
 
 
 def count_model_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], lr: float = 1e-3,
@@ -142,7 +153,7 @@ def count_model_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], lr:
                      max_grad_norm: float | None = None) -> dict[str, Any]:
     """count_step of one training step of `model` on `batch` (forward with labels, backward, gradient clipping when
     `max_grad_norm` is set, the optimizer step: `optimizer`, else AdamW at `lr`), after one uncounted step that
-    creates the optimizer state."""
+    creates the optimizer state; then measure_saved of one more step."""
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
 
     def step() -> None:
@@ -155,11 +166,14 @@ def count_model_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], lr:
     step()
     with count_step(model) as counts:
         step()
+    with measure_saved(model, counts):
+        step()
     return counts
 
 
 class StepCounter(TrainerCallback):
-    """Counts one Trainer step (on_step_begin .. on_step_end: forward, backward, clipping, optimizer step)."""
+    """Counts one Trainer step (on_step_begin .. on_step_end: forward, backward, clipping, optimizer step) and
+    measures the saved tensors of the next one."""
 
     def __init__(self, step: int = COUNTED_STEP) -> None:
         self.step = step
@@ -170,6 +184,9 @@ class StepCounter(TrainerCallback):
         if state.global_step + 1 == self.step:
             self._stack = contextlib.ExitStack()
             self.counts = self._stack.enter_context(count_step(model))
+        elif state.global_step == self.step and self.counts is not None:
+            self._stack = contextlib.ExitStack()
+            self._stack.enter_context(measure_saved(model, self.counts))
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._stack is not None:
@@ -179,7 +196,8 @@ class StepCounter(TrainerCallback):
 
 def counted_run(config: str | None, overrides: list[str], out: str, profile: str | None = None,
                 profile_steps: int = PROFILE_STEPS) -> dict[str, Any]:
-    """Two steps of the `train` run (accelerated or not, per MINDSPEED_HF_AUTO) with the second counted; writes
+    """Three steps of the `train` run (accelerated or not, per MINDSPEED_HF_AUTO), the second counted and the
+    third's saved tensors measured; writes
     the counts (plus model_type and applied kernels) to `out` as JSON and returns them. With `profile`, then
     `profile_steps` more steps under the profiler, traced into that directory (bench_profile)."""
     from .bench_profile import ProfileCallback
@@ -187,14 +205,14 @@ def counted_run(config: str | None, overrides: list[str], out: str, profile: str
     from .train import run_training, training_args_for
 
     run = load_run_config(config)
-    steps = COUNTED_STEP + (profile_steps if profile else 0)
+    steps = SAVED_STEP + (profile_steps if profile else 0)
     args = training_args_for(run, [*overrides, "--max_steps", str(steps), "--logging_steps", "1",
                                    "--save_strategy", "no", "--disable_tqdm", "true"])
     counter = StepCounter()
-    callbacks: list[Any] = [counter, *([ProfileCallback(profile, after_step=COUNTED_STEP)] if profile else [])]
+    callbacks: list[Any] = [counter, *([ProfileCallback(profile, after_step=SAVED_STEP)] if profile else [])]
     result = run_training(run, args, quality_eval=False, callbacks=callbacks)
-    if counter.counts is None:
-        raise RuntimeError(f"bench: the counted run ended before step {COUNTED_STEP} (too few training rows?)")
+    if counter.counts is None or "saved_bytes" not in counter.counts:
+        raise RuntimeError(f"bench: the counted run ended before step {SAVED_STEP} (too few training rows?)")
     counts = {**counter.counts, "model_type": result["model_type"], "applied": result["applied"]}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(counts, indent=1))

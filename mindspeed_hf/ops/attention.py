@@ -8,7 +8,7 @@ so `mindspeed_mask` is registered too, and returns what the active backend consu
 - torch / cuda: HF's SDPA mask, and attention is HF's own `sdpa_attention_forward` (same results as "sdpa").
 - npu: a compact description instead of a [B,1,S,S] mask: None (plain causal), the 2-D padding mask, or HF's
   packed-sequence ids. `npu_fusion_attention` then runs BSND with the compressed 2048x2048 causal mask, or TND
-  (unpadded / packed) with host cumulative lengths built once per step (see varlen.py). Whatever the op cannot do
+  (padded / packed) with host cumulative lengths built once per step (see varlen.py). Whatever the op cannot do
   (softcap, output_attentions, bias or sinks, custom 4-D masks, head_dim > 768, more than 256 query heads, ...)
   runs the torch path on an equivalent SDPA mask, so results never change, only speed.
 """
@@ -242,7 +242,8 @@ def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scalin
         q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
         return _npu_call(q, k, v, "BSND", heads, scale, keep_prob, causal, window), None
 
-    # Padded or packed: the real tokens end to end (TND), so no row is ever fully masked (left padding works).
+    # Padded or packed: TND, every sequence its own (padding in place as sequences no real token sees, or only
+    # the real tokens end to end when a row has holes), so no row is ever fully masked (left padding works).
     if info.num_tokens == 0:
         return query.new_zeros(batch, q_len, heads, value.shape[-1]), None
     q, k, v = (varlen.unpad(t, info) for t in (query, key, value))

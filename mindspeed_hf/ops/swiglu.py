@@ -1,5 +1,6 @@
-"""SwiGLU: silu(gate) * up. The MLP forwards still call the gate/up/down submodules so PEFT LoRA adapters on
-them keep working; only the activation-and-multiply is fused."""
+"""SwiGLU: silu(gate) * up. The MLP forwards still go through the gate/up/down submodules (PEFT LoRA adapters on
+them keep working); where the backend stacks plain projections (ops/linear.py) gate and up come from one matmul,
+side by side in one tensor, which npu_swiglu then takes as it is."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..device import import_torch_npu
+from .linear import halves_of_one
 from .registry import register, run
 
 
@@ -17,7 +19,8 @@ def swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @register("swiglu", "npu", name="npu:npu_swiglu")
 def swiglu_npu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return import_torch_npu().npu_swiglu(torch.cat([gate, up], dim=-1), dim=-1)
+    both = halves_of_one(gate, up)
+    return import_torch_npu().npu_swiglu(torch.cat([gate, up], dim=-1) if both is None else both, dim=-1)
 
 
 @register("swiglu", "cuda", name="cuda:liger_swiglu")

@@ -9,6 +9,7 @@ a reference to that tensor so that its id cannot be reused by another tensor whi
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -20,21 +21,29 @@ _CACHE_SIZE = 8
 _cache: OrderedDict[tuple[str, int, int], tuple[torch.Tensor, VarlenInfo]] = OrderedDict()
 
 
+# Padding kept in place (see build_varlen_info) runs as sequences of at most this many tokens: each padded position
+# then attends to at most this many others, however long the padding.
+PAD_PIECE = 512
+
+
 @dataclass(frozen=True)
 class VarlenInfo:
     """How a [B, S] batch maps onto the TND token axis.
 
-    indices: flat positions (into B*S) of the real tokens, in order; None when every position is a real token.
+    indices: flat positions (into B*S) of the real tokens, in order, when only those are laid end to end; None when
+        every position of the batch is on the TND axis (in order), padding included.
     cu_seqlens: host tuple of cumulative end offsets of the sequences along TND's token axis, no leading 0.
     contiguous: every sequence occupies consecutive positions of its row (so distances, hence sliding windows,
         are the same before and after unpadding).
     total: B * S, the length of the padded flat axis.
+    keep: when padding is on the TND axis, [B*S, 1, 1] bool, True at the real tokens (pad() zeroes the rest).
     """
 
     indices: torch.Tensor | None
     cu_seqlens: tuple[int, ...]
     contiguous: bool
     total: int
+    keep: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -46,10 +55,26 @@ class VarlenInfo:
         return self.indices is None and len(self.cu_seqlens) == batch and self.num_tokens == self.total
 
 
+def _padding_in_place(runs: list[tuple[int, int]], seq: int) -> tuple[int, ...]:
+    """The cumulative ends that keep a padded batch in place: per row, its padding before the real run, the run,
+    its padding after (each padding stretch cut into PAD_PIECE pieces). `runs` = (start, length) per row."""
+    ends: list[int] = []
+    for row, (start, length) in enumerate(runs):
+        offset = row * seq
+        for lo, hi, piece in ((0, start, PAD_PIECE), (start, start + length, length), (start + length, seq, PAD_PIECE)):
+            if hi > lo:
+                ends.extend(offset + min(end, hi) for end in range(lo + piece, hi + piece, piece))
+    return tuple(ends)
+
+
 def build_varlen_info(source: torch.Tensor, kind: str) -> VarlenInfo:
     """Compute a VarlenInfo (one host sync). `kind` says what `source` is:
 
-    "padding": [B, S] mask, True/1 = real token (HF's 2-D attention mask).
+    "padding": [B, S] mask, True/1 = real token (HF's 2-D attention mask). Where each row's real tokens are one
+        run (right or left padding), the batch stays in place: the padding becomes sequences of its own that no
+        real token sees, so nothing is gathered or scattered (pad() zeroes their outputs, as a gather would leave
+        them: what HF's SDPA gives a left-padded row's fully masked queries). Padding with holes lays the real
+        tokens end to end (`indices`).
     "sequence_ids": [B, S] integers, equal values = same packed sequence (HF's packed_sequence_mask); every
         position is a real token.
     "cu_seqlens": 1-D cumulative lengths WITH the leading 0 (DataCollatorWithFlattening's cu_seq_lens_q) over the
@@ -58,17 +83,16 @@ def build_varlen_info(source: torch.Tensor, kind: str) -> VarlenInfo:
     if kind == "padding":
         mask = source.bool()
         batch, seq = mask.shape
-        flat = mask.reshape(-1)
-        indices = flat.nonzero().reshape(-1)
-        # A row is contiguous when at most one run of real tokens starts in it.
-        starts = mask & ~torch.nn.functional.pad(mask, (1, 0), value=False)[:, :-1]
-        ends = mask.sum(1).cumsum(0)
+        # Per row: its real tokens, where the first is, and how many runs of real tokens start in it.
+        runs = (mask & ~torch.nn.functional.pad(mask, (1, 0), value=False)[:, :-1]).sum(1)
+        lengths, firsts, counts = torch.stack([mask.sum(1), mask.int().argmax(1), runs]).tolist()
+        if max(counts, default=0) <= 1:
+            keep = None if sum(lengths) == batch * seq else mask.reshape(-1, 1, 1)
+            return VarlenInfo(None, _padding_in_place(list(zip(firsts, lengths)), seq), True, batch * seq, keep)
+        cu = list(itertools.accumulate(lengths))
         # Drop empty rows (a fully padded row adds no token and the op does not take empty sequences).
-        host = torch.cat([ends, (starts.sum(1) > 1).any().reshape(1).long()]).tolist()
-        cu, noncontiguous = host[:-1], host[-1]
         cu = [end for i, end in enumerate(cu) if end != (cu[i - 1] if i else 0)]
-        all_real = bool(cu) and cu[-1] == batch * seq
-        return VarlenInfo(None if all_real else indices, tuple(cu), not noncontiguous, batch * seq)
+        return VarlenInfo(mask.reshape(-1).nonzero().reshape(-1), tuple(cu), False, batch * seq)
     if kind == "sequence_ids":
         ids = source
         batch, seq = ids.shape
@@ -111,15 +135,18 @@ def clear_cache() -> None:
 
 
 def unpad(x: torch.Tensor, info: VarlenInfo) -> torch.Tensor:
-    """[B, N, S, D] (HF's layout) -> [T, N, D] with only the real tokens (TND)."""
+    """[B, N, S, D] (HF's layout) -> [T, N, D] (TND): every position in order, or only the real tokens when
+    `info.indices` says which."""
     batch, heads, seq, dim = x.shape
     flat = x.transpose(1, 2).reshape(batch * seq, heads, dim)
     return flat if info.indices is None else flat.index_select(0, info.indices)
 
 
 def pad(x: torch.Tensor, info: VarlenInfo, batch: int, seq: int) -> torch.Tensor:
-    """[T, N, D] -> [B, S, N, D], zeros at the padded positions (HF's attention output layout)."""
-    if info.indices is not None:
+    """[T, N, D] -> [B, S, N, D] (HF's attention output layout); zeros at the padded positions."""
+    if info.keep is not None:
+        x = x * info.keep
+    elif info.indices is not None:
         full = x.new_zeros(info.total, *x.shape[1:])
         x = full.index_copy(0, info.indices, x)  # out of place: differentiable w.r.t. x
     return x.reshape(batch, seq, *x.shape[1:])

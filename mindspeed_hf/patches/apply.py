@@ -112,6 +112,13 @@ def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
                         (family.packed_swiglu_mlp, forwards.packed_swiglu_mlp_forward)):
         for cls in (getattr(module, name) for name in names if hasattr(module, name)):
             _switch_method(cls, "forward", "swiglu", make(cls.forward))
+    attention_cls = getattr(module, family.attention, None)
+    if attention_cls is not None and not _patches.is_patched(attention_cls, "forward"):
+        # q/k/v as one stacked matmul where the backend stacks (ops/linear.py), switched with the attention kernel
+        forward = attention_cls.forward
+        _patches.set(attention_cls, "forward", switched := scope.switch(
+            "attention", forwards.stacked_qkv_forward(forward), forward))
+        switched._mindspeed_op = "stacked_linear"
     if family.rope and hasattr(module, "apply_rotary_pos_emb"):  # 4.57's Qwen2(.5)-VL: multimodal rope only
         _switch_method(module, "apply_rotary_pos_emb", "rope", forwards.rope_function)
     for _, function in family.mrope_attention:
@@ -335,7 +342,7 @@ def report(model: nn.Module) -> dict[str, Any]:
                 continue
             if op == "add_rms_norm" or (op is None and isinstance(sub, tuple(_fused_layers))):  # fused add
                 layers += on["rms_norm"]
-            elif op is not None:
+            elif op is not None and op in counts:  # (stacked_linear: in "ran" and "implementations" only)
                 (vision if id(sub) in vision_ids else counts)[op] += on[op]
             rope_patched = next((r for cls, r in text_attention.items() if isinstance(sub, cls)), None)
             if rope_patched is not None:
@@ -350,7 +357,8 @@ def report(model: nn.Module) -> dict[str, Any]:
             "model_type": getattr(getattr(hf_model, "config", None), "model_type", None),
             "backend": registry.resolve_backend(device),
             "kernels": counts,
-            "implementations": {op: registry.implementation(op, device) for op in (*_OPS, "add_rms_norm")
+            "implementations": {op: registry.implementation(op, device) for op in (*_OPS, "add_rms_norm",
+                                                                                   "stacked_linear")
                                 if op in registry.registered_ops()},
             "add_rms_norm_layers": layers,  # decoder layers whose residual add is fused into the norm after it
             "attention_implementation": compat.attn_implementation(getattr(hf_model, "config", None)),
@@ -358,7 +366,8 @@ def report(model: nn.Module) -> dict[str, Any]:
             config.kernels.skip_logits,
             "kept": kept,
             # what really ran on this model since it was built (or accelerated): executions per op
-            "ran": {**dict.fromkeys((*_OPS, "add_rms_norm", "vision_attention"), 0), **scope.ran(hf_model)}
+            "ran": {**dict.fromkeys((*_OPS, "add_rms_norm", "stacked_linear", "vision_attention"), 0),
+                    **scope.ran(hf_model)}
             if hf_model is not None else {},
             "quantized_linear": quantized.describe(model, device),
             **({"vision_kernels": vision, "vision_attention_implementation": registry.implementation(

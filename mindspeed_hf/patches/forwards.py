@@ -12,6 +12,7 @@ forward such as selective recompute's, another class, DTensor weights) runs as H
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 import types
@@ -23,6 +24,8 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from .. import compat
+from ..ops.linear import project, stackable
+from ..ops.registry import select
 from ..ops.rms_norm import add_rms_norm, rms_norm
 from ..ops.rotary import apply_rotary_pos_emb
 from ..ops.swiglu import swiglu, swiglu_packed
@@ -50,7 +53,8 @@ def swiglu_mlp_forward(original: Callable) -> Callable:
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(self.act_fn, SILU):
             return original(self, x)
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = project(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(swiglu(gate, up))
 
     return tag("swiglu", forward)
 
@@ -64,6 +68,43 @@ def packed_swiglu_mlp_forward(original: Callable) -> Callable:
         return self.down_proj(swiglu_packed(self.gate_up_proj(hidden_states)))
 
     return tag("swiglu", forward)
+
+
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def stacked_qkv_forward(original: Callable) -> Callable:
+    """HF's attention forward with its q/k/v projections as one stacked matmul (ops/linear.py) where the backend
+    stacks and they are plain nn.Linear layers: the three outputs are computed first and handed over when HF's
+    forward calls each projection on that same input (any other input runs the layer itself)."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if args else kwargs.get("hidden_states")
+        layers = tuple(getattr(self, name, None) for name in QKV)
+        if not isinstance(x, torch.Tensor) or select("stacked_linear", x.device).backend == "torch" \
+                or not stackable(x, layers):
+            return original(self, *args, **kwargs)
+        with _served(layers, x, project(x, layers)):
+            return original(self, *args, **kwargs)
+
+    return tag("stacked_linear", forward)
+
+
+@contextlib.contextmanager
+def _served(layers: tuple[nn.Linear, ...], x: torch.Tensor, outputs: tuple[torch.Tensor, ...]) -> Iterator[None]:
+    """Each layer, called on `x` inside the block, returns its output from `outputs` (an instance forward, removed
+    on the way out)."""
+    for layer, out in zip(layers, outputs):
+        layer.forward = functools.partial(_serve, layer, x, out)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            vars(layer).pop("forward", None)
+
+
+def _serve(layer: nn.Linear, x: torch.Tensor, out: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    return out if given is x else nn.functional.linear(given, layer.weight, layer.bias)
 
 
 def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any,
@@ -151,12 +192,10 @@ def _plain_norm(norm: nn.Module, classes: tuple[type, ...]) -> bool:
     """The norm runs nothing but its class forward (ours) inside our own scope hooks: no other hook, no instance
     forward, no other library's class forward (LLaMA-Factory's liger patch: its kernel keeps running, and report()
     names it), plain tensor weights."""
-    from torch.nn.modules import module as torch_module
-
     return (type(norm) in classes and "forward" not in vars(norm)
             and getattr(type(norm).forward, "_mindspeed_op", None) == "rms_norm" and _ours(norm._forward_hooks)
             and _ours(norm._forward_pre_hooks) and type(norm.weight) in (torch.Tensor, nn.Parameter)
-            and not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks)
+            and not compat.global_module_hooks())
 
 
 @contextlib.contextmanager

@@ -183,10 +183,12 @@ SEAMS: tuple[Seam, ...] = (
          "an experts module's gate, read to see whether it is the default one (patches/experts.py)", since="5.0",
          owner="transformers.integrations.moe"),
     # torch: nn.Module internals (every torch 2.x)
-    Seam("Module._forward_pre_hooks", "instance", "our scope hooks found by their mark and removed (patches/scope.py)",
-         since="2.6", package="torch", owner="torch.nn.Module"),
-    Seam("Module._forward_hooks", "instance", "our scope hooks found by their mark and removed (patches/scope.py)",
-         since="2.6", package="torch", owner="torch.nn.Module"),
+    Seam("Module._forward_pre_hooks", "instance", "our scope hooks found by their mark and removed (patches/scope.py);"
+         " a projection with hooks is not stacked with others (ops/linear.py)", since="2.6", package="torch",
+         owner="torch.nn.Module"),
+    Seam("Module._forward_hooks", "instance", "our scope hooks found by their mark and removed (patches/scope.py);"
+         " a projection with hooks is not stacked with others (ops/linear.py)", since="2.6", package="torch",
+         owner="torch.nn.Module"),
     Seam("Module._forward_hooks_always_called", "instance",
          "the always_call flag of a removed scope hook dropped with it (patches/scope.py)", since="2.6",
          package="torch", owner="torch.nn.Module"),
@@ -202,11 +204,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam("Module._parameters", "instance",
          "a module's DTensor parameters swapped for their local tensors while it runs (parallel/tensor.py)",
          since="2.6", package="torch", owner="torch.nn.Module", feature="tensor parallelism (parallel/tensor.py)"),
-    Seam("module._global_forward_hooks", "object", "a norm with a global forward hook keeps HF's layer (the fused "
-         "add + RMSNorm would skip it; patches/forwards.py)", since="2.6", package="torch",
-         owner="torch.nn.modules.module"),
-    Seam("module._global_forward_pre_hooks", "object", "as _global_forward_hooks (patches/forwards.py)", since="2.6",
-         package="torch", owner="torch.nn.modules.module"),
+    Seam("module._global_forward_hooks", "object", "a norm or projection with a global forward hook keeps HF's "
+         "call (the fused add + RMSNorm or stacked projections would skip it; compat.global_module_hooks)",
+         since="2.6", package="torch", owner="torch.nn.modules.module"),
+    Seam("module._global_forward_pre_hooks", "object", "as _global_forward_hooks (compat.global_module_hooks)",
+         since="2.6", package="torch", owner="torch.nn.modules.module"),
     # torch: tensors and storages
     Seam("Tensor._base", "object", "deferred logits answer FSDP2's view check on a forward's outputs without being "
          "computed (patches/lazy_logits.py)", since="2.6", package="torch", owner="torch.Tensor"),

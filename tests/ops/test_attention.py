@@ -257,6 +257,47 @@ def test_generate_left_padded_matches_sdpa(backend):
     torch.testing.assert_close(results[1][1], results[0][1], atol=1e-5, rtol=1e-5)
 
 
+def test_npu_keeps_padding_in_place_without_gathers(monkeypatch):
+    """Rows padded on either side (or fully padded) stay where they are on the TND axis: the padding runs as
+    sequences of its own (cut in PAD_PIECE pieces) that no real token sees, nothing is gathered or scattered, the
+    real positions equal HF's SDPA (values and gradients) and the padded ones are zeros."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mindspeed_hf.ops import registry
+
+    registry.set_backend("npu")
+    monkeypatch.setattr(varlen, "PAD_PIECE", 5)
+    padding = torch.zeros(B, S, dtype=torch.long)
+    padding[0, 4:30] = 1  # both sides
+    padding[1] = 1  # none
+    case = padding, None, None, padding.bool(), B, S  # row 2: fully padded
+    info = varlen.build_varlen_info(padding, "padding")
+    assert info.indices is None and info.cu_seqlens == (
+        4, 30, 35, 37, 74, 79, 84, 89, 94, 99, 104, 109, 111)
+    qkv = _qkv()
+    expected, expected_grads = _run("sdpa", sdpa_attention_forward, qkv, case)
+
+    class Ops(TorchDispatchMode):
+        seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    varlen.clear_cache()
+    counts = _count_calls(monkeypatch)
+    with Ops() as ops:
+        out, grads = _run(attention.ATTENTION_NAME, attention.attention_forward, qkv, case)
+    assert counts["layouts"] == ["TND"]
+    assert not ops.seen & {"aten.index_select", "aten.index_copy", "aten.index_add", "aten.nonzero"}, ops.seen
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    full, _ = attention.attention_forward(_Attn(), *qkv, _mask(attention.ATTENTION_NAME, padding, None, None, B, S),
+                                          scaling=SCALE)
+    assert torch.count_nonzero(full.detach()[~padding.bool()]) == 0
+
+
 def _count_calls(monkeypatch):
     npu = import_torch_npu()
     counts = {"op": 0, "build": [], "layouts": []}
