@@ -96,7 +96,10 @@ def project(x: torch.Tensor, layers: Sequence[nn.Linear]) -> tuple[torch.Tensor,
 
 def halves_of_one(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
     """The tensor whose last dimension is `first` then `second` side by side, when both are views of it that
-    cover it exactly (project()'s outputs for two layers); None otherwise."""
+    cover it exactly (project()'s outputs for two layers); None otherwise (and while torch.compile traces, where
+    nothing is stacked)."""
+    if torch.compiler.is_compiling():
+        return None
     base = first._base
     if base is None or second._base is not base or first.shape[:-1] != base.shape[:-1]:
         return None
