@@ -103,6 +103,9 @@ class ParallelConfig:
                                "rest (cp / cp_ulysses) form the ring; must divide cp and the attention heads")
     cp_zigzag: bool = _declare(True, boolean(), "context parallelism cuts each ring rank's share into two chunks "
                                "(head and tail) that balance causal work")
+    cp_vision: bool = _declare(False, boolean(), "vision-language models under cp: each cp rank runs the vision "
+                               "tower on its share of the images (whole images, balanced by patches) and the merged "
+                               "features are gathered, instead of every rank running it on all of them")
     reshard_after_forward: bool = _declare(True, boolean(), "FSDP2 frees the gathered parameters of a layer after "
                                                             "its forward")
     cpu_offload: bool = _declare(False, boolean(), "FSDP2 keeps sharded parameters in host memory")
@@ -113,6 +116,9 @@ class ParallelConfig:
         if self.cp % self.cp_ulysses:
             raise ValueError(f"parallel.cp_ulysses={self.cp_ulysses} must divide parallel.cp={self.cp}; valid "
                              f"choices: {[u for u in range(1, self.cp + 1) if self.cp % u == 0]}")
+        if self.cp_vision and self.cp == 1:
+            raise ValueError("parallel.cp_vision=true shares the vision tower over the cp ranks and needs "
+                             "parallel.cp > 1; valid choices: parallel.cp > 1, or parallel.cp_vision=false")
         if self.ep > 1:
             check_ep_release(self.ep)
 

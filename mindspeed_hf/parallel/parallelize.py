@@ -108,13 +108,15 @@ def apply_ep(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfi
 def apply_cp(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfig,
              options: ParallelizeOptions) -> nn.Module:
     """Context parallelism, when dims.cp > 1: the model's attention runs `context_attention` over the cp group
-    (ring over cp_ring, Ulysses over cp_ulysses, zigzag per parallel.cp_zigzag), checked first (heads divisible
+    (ring over cp_ring, Ulysses over cp_ulysses, zigzag per parallel.cp_zigzag; a vision-language model split
+    after its vision features are merged, its tower shared per parallel.cp_vision), checked first (heads divisible
     by the Ulysses size, no softcapping or attention dropout). Batches must then be split with split_cp_batch."""
     if dims is None or not dims.cp_enabled:
         return model
     hf_model = unwrap_hf_model(model)
     pad = getattr(getattr(hf_model.config, "get_text_config", lambda: hf_model.config)(), "pad_token_id", None)
-    apply_context_parallel(hf_model, context_parallel_from(dims, config.parallel.cp_zigzag, pad or 0))
+    apply_context_parallel(hf_model, context_parallel_from(dims, config.parallel.cp_zigzag, pad or 0,
+                                                           vision=config.parallel.cp_vision))
     return model
 
 

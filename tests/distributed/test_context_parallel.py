@@ -92,10 +92,13 @@ def test_model_checks_name_the_problem():
         check_context_parallel(tiny_model("gemma2"), 1)
     with pytest.raises(ValueError, match="attention_dropout=0.1 must be 0"):
         check_context_parallel(tiny_model("llama", attention_dropout=0.1), 1)
-    from tiny_vlms import tiny_vlm  # the crash of issue #26 (image tokens split from their features): refused
+    from tiny_vlms import tiny_vlm  # split inside the model, after the merge (test_context_parallel_vlm.py)
 
-    with pytest.raises(ValueError, match="parallel.cp: context parallelism does not split vision-language models yet"):
-        check_context_parallel(tiny_vlm("qwen2_vl"), 1)
+    vlm = tiny_vlm("qwen2_vl")
+    check_context_parallel(vlm, 2, vision=True)
+    del vlm.model.language_model  # nowhere to split after the merge: refused before any work
+    with pytest.raises(ValueError, match=r"parallel.cp: qwen2_vl has no `model.language_model` to split"):
+        check_context_parallel(vlm, 1)
 
 
 def _ctx(cp: int = 2, rank: int = 0, zigzag: bool = True) -> ContextParallel:

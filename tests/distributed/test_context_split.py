@@ -95,3 +95,63 @@ def test_bad_sizes_fail_clearly():
         shard_indices(12, 4, 4)
     with pytest.raises(ValueError, match="labels must be"):
         split_batch(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long), cp=2, rank=0)
+
+
+# ----------------------------------------------------------------------- vision-language models (multimodal.py)
+
+
+def test_language_model_slice_is_the_text_splitters_slice():
+    """The hook inside a vision-language model hands its language model the same tokens split_batch gives a text
+    model: embeddings, 3-D positions (tail counting on), cache positions, deepstack masks and features, no mask."""
+    from torch import nn
+
+    from mindspeed_hf.parallel.context.multimodal import make_slice_hook
+
+    batch, seq, cp, hidden = 2, 13, 2, 3
+    embeds = torch.randn(batch, seq, hidden)
+    positions = torch.arange(seq).expand(4, batch, seq) + torch.arange(4).view(4, 1, 1)
+    visual = torch.zeros(batch, seq, dtype=torch.bool)
+    visual[0, 2:6] = visual[1, 9:12] = True
+    features = [torch.arange(7 * hidden, dtype=torch.float).view(7, hidden)]
+    for rank in range(cp):
+        kwargs = {"inputs_embeds": embeds, "position_ids": positions, "attention_mask": torch.ones(batch, seq),
+                  "cache_position": torch.arange(seq), "visual_pos_masks": visual,
+                  "deepstack_visual_embeds": features, "segment_ids": None}
+        _, got = make_slice_hook(cp, rank, True, 1)(nn.Identity(), (), kwargs)
+        text = split_batch(torch.arange(seq).expand(batch, seq), cp=cp, rank=rank, zigzag=True)
+        idx = text["position_ids"][0]
+        length = padded_length(seq, cp, zigzag=True)
+        assert torch.equal(got["position_ids"][1], text["position_ids"] + 1)  # every rope row, tail counting on
+        assert torch.equal(got["cache_position"], idx) and got["attention_mask"] is None
+        padded = torch.cat([embeds, embeds.new_zeros(batch, length - seq, hidden)], 1)
+        assert torch.equal(got["inputs_embeds"], padded[:, idx])
+        mine = torch.cat([visual, visual.new_zeros(batch, length - seq)], 1)[:, idx]
+        assert torch.equal(got["visual_pos_masks"], mine)
+        order = torch.cat([visual, visual.new_zeros(batch, length - seq)], 1).reshape(-1).long().cumsum(0) - 1
+        rows = order.view(batch, length)[:, idx][mine]
+        assert torch.equal(got["deepstack_visual_embeds"][0], features[0][rows])
+    untouched = {"inputs_embeds": embeds}
+    assert make_slice_hook(cp, 0, True, 1)(nn.Identity(), (), untouched) is None  # not a split batch
+
+
+def test_images_are_shared_whole_and_balanced():
+    from mindspeed_hf.parallel.context.multimodal import image_shares
+
+    assert image_shares([64, 16, 32], 2) == [(0, 1), (1, 3)]
+    assert image_shares([1, 1, 1, 100], 2) == [(0, 3), (3, 4)]
+    assert image_shares([100, 1, 1, 1], 3) == [(0, 1), (1, 2), (2, 4)]  # every rank at least one image
+    assert image_shares([5], 2) is None  # fewer images than ranks: the tower runs whole on every rank
+
+
+def test_cp_vision_settings_fail_in_one_line():
+    from mindspeed_hf.config import ParallelConfig
+    from mindspeed_hf.parallel.context import ContextParallel, check_context_parallel
+
+    with pytest.raises(ValueError, match=r"parallel.cp_vision=true .* needs parallel.cp > 1"):
+        ParallelConfig(cp_vision=True)
+    assert ParallelConfig(cp=2, cp_vision=True).cp_vision
+    from tiny_models import tiny_model
+
+    with pytest.raises(ValueError, match=r"parallel.cp_vision=true: llama has no Qwen-VL vision tower"):
+        check_context_parallel(tiny_model("llama"), 1, vision=True)
+    assert ContextParallel(2, 1, True, 0, None, None).inside is False

@@ -16,10 +16,14 @@ A training step on a global batch (the same on every rank of a cp group)::
 The loss divides the slice's summed token losses by (global valid tokens / cp), so each rank's loss is cp times
 its share: the mean over the cp group (what FSDP2's gradient average and Trainer's logged mean take) is the loss
 of one process on the whole sequence, and so are the averaged gradients.
+
+A vision-language model is split inside instead (multimodal.py): it gets the whole batch with this rank's labels,
+and its language model takes its slice after the vision features are merged into the text.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,11 +34,12 @@ from torch import nn
 
 from ...ops.attention import register_attention
 from .hybrid import context_attention
+from .multimodal import SPLIT_MARK as _SPLIT_MARK
+from .multimodal import language_model_of, share_vision, split_inside, vision_tower_of
 from .split import IGNORE_INDEX, shift_labels, split_batch
 from .ulysses import check_ulysses_heads
 
 CP_ATTENTION = "mindspeed_cp"
-_SPLIT_MARK = "segment_ids"  # always present (maybe None) in a split batch
 
 
 @dataclass(frozen=True)
@@ -48,19 +53,24 @@ class ContextParallel:
     ring_group: dist.ProcessGroup | None
     ulysses_group: dist.ProcessGroup | None
     pad_token_id: int = 0
+    inside: bool = False  # split inside the model (vision-language: after the vision features are merged)
+    vision: bool = False  # parallel.cp_vision: the vision tower's images shared over the cp group
+    group: dist.ProcessGroup | None = None  # the whole cp group (ring x Ulysses)
 
     @property
     def ring(self) -> int:
         return self.cp // self.ulysses
 
 
-def context_parallel_from(dims: Any, zigzag: bool = True, pad_token_id: int = 0) -> ContextParallel:
+def context_parallel_from(dims: Any, zigzag: bool = True, pad_token_id: int = 0,
+                          vision: bool = False) -> ContextParallel:
     """The ContextParallel of this rank from built ParallelDims (`dims.build_mesh` called; mesh axes cp_ring x
     cp_ulysses)."""
-    ring, ulysses = dims.get_mesh("cp_ring"), dims.get_mesh("cp_ulysses")
-    return ContextParallel(dims.cp, dims.cp_ulysses, bool(zigzag), dims.get_mesh("cp").get_local_rank(),
+    ring, ulysses, cp = dims.get_mesh("cp_ring"), dims.get_mesh("cp_ulysses"), dims.get_mesh("cp")
+    return ContextParallel(dims.cp, dims.cp_ulysses, bool(zigzag), cp.get_local_rank(),
                            ring.get_group() if ring.size() > 1 else None,
-                           ulysses.get_group() if ulysses.size() > 1 else None, int(pad_token_id or 0))
+                           ulysses.get_group() if ulysses.size() > 1 else None, int(pad_token_id or 0),
+                           vision=bool(vision), group=cp.get_group())
 
 
 # -------------------------------------------------------------------------------------------------- the batch
@@ -93,18 +103,33 @@ def split_cp_batch(batch: Mapping[str, Any], ctx: ContextParallel, num_items_in_
         raise ValueError(f"split_cp_batch: attention_mask must be the 2-D padding mask [batch, seq], got "
                          f"{mask.dim()}-D (custom masks cannot be split)")
     padding = None if mask is None or _right_padded(mask) else mask
-    parts = split_batch(input_ids, labels, batch.get("position_ids"), cp=ctx.cp, rank=ctx.rank, zigzag=ctx.zigzag,
-                        ulysses=ctx.ulysses, pad_token_id=ctx.pad_token_id, ignore_index=ignore_index,
-                        attention_mask=padding)
-    skip = {"input_ids", "labels", "position_ids", "attention_mask", "shift_labels", "num_items_in_batch"}
+    parts = split_batch(input_ids, labels, _text_positions(batch.get("position_ids"), ctx), cp=ctx.cp, rank=ctx.rank,
+                        zigzag=ctx.zigzag, ulysses=ctx.ulysses, pad_token_id=ctx.pad_token_id,
+                        ignore_index=ignore_index, attention_mask=padding)
+    skip = {"labels", "shift_labels", "num_items_in_batch"}
+    if not ctx.inside:  # a vision-language model keeps them whole: its language model takes its slice
+        skip |= {"input_ids", "position_ids", "attention_mask"}
     local = {k: v for k, v in batch.items() if k not in skip}
-    local.update(input_ids=parts["input_ids"], position_ids=parts["position_ids"], use_cache=False)
+    if not ctx.inside:
+        local.update(input_ids=parts["input_ids"], position_ids=parts["position_ids"])
+    local.update(use_cache=False)
     local[_SPLIT_MARK] = parts["segment_ids"]
     if labels is not None:
         count = valid_tokens(labels, ignore_index) if num_items_in_batch is None else float(num_items_in_batch)
         local.update(labels=parts["shift_labels"], shift_labels=parts["shift_labels"],
                      num_items_in_batch=count / ctx.cp)
     return local
+
+
+def _text_positions(positions: torch.Tensor | None, ctx: ContextParallel) -> torch.Tensor | None:
+    """The [batch, seq] positions that tell packed documents apart: as given, or (a vision-language model) the
+    text row of HF's [4, batch, seq] M-RoPE positions."""
+    if positions is None or positions.dim() == 2 or not ctx.inside:
+        return positions
+    if positions.dim() == 3 and positions.shape[0] == 4:
+        return positions[0]
+    raise ValueError(f"split_cp_batch: position_ids of shape {list(positions.shape)} cannot be split; pass the "
+                     "[batch, seq] text positions (FlatteningCollator does) or HF's [4, batch, seq] (text row first)")
 
 
 # ---------------------------------------------------------------------------------------------- the attention
@@ -151,14 +176,16 @@ def register_cp_attention() -> None:
 # -------------------------------------------------------------------------------------------------- the model
 
 
-def check_context_parallel(hf_model: nn.Module, ulysses: int) -> None:
+def check_context_parallel(hf_model: nn.Module, ulysses: int, vision: bool = False) -> None:
     """One-line errors, before any work, for a model whose attention cannot be split over the cp group."""
     config = hf_model.config
-    if getattr(config, "vision_config", None) is not None:
-        raise ValueError(f"parallel.cp: context parallelism does not split vision-language models yet "
-                         f"({config.model_type}: the batch is split before the model merges the image features into "
-                         "the text, so a rank would hold part of an image's tokens but all of its features); valid "
-                         "choices: parallel.cp=1 (dp_shard, ep and tp work), or a text-only model")
+    if getattr(config, "vision_config", None) is not None and language_model_of(hf_model) is None:
+        raise ValueError(f"parallel.cp: {config.model_type} has no `model.language_model` to split the sequence in "
+                         "after the vision features are merged; valid choices: parallel.cp=1 (dp_shard, ep and tp "
+                         "work), or a text-only model")
+    if vision and vision_tower_of(hf_model) is None:
+        raise ValueError(f"parallel.cp_vision=true: {config.model_type} has no Qwen-VL vision tower "
+                         "(`model.visual`) to share over the cp ranks; valid choices: parallel.cp_vision=false")
     text = getattr(config, "get_text_config", lambda: config)()
     heads = getattr(text, "num_attention_heads", None)
     if heads is None:
@@ -178,12 +205,20 @@ def check_context_parallel(hf_model: nn.Module, ulysses: int) -> None:
 def apply_context_parallel(hf_model: nn.Module, ctx: ContextParallel) -> nn.Module:
     """Make `hf_model`'s attention run over the cp group (checked first): every attention module gets `ctx`,
     the model's attn_implementation becomes "mindspeed_cp"."""
-    check_context_parallel(hf_model, ctx.ulysses)
+    check_context_parallel(hf_model, ctx.ulysses, ctx.vision)
     register_cp_attention()
     for module in hf_model.modules():
         if hasattr(module, "is_causal") or type(module).__name__.endswith("Attention"):
             module._mindspeed_cp = ctx
-    hf_model.set_attn_implementation(CP_ATTENTION)
+    if getattr(hf_model.config, "vision_config", None) is not None:
+        # The vision tower keeps its attention and runs on every image; the text layers run on the slice.
+        ctx = dataclasses.replace(ctx, inside=True)
+        split_inside(hf_model, ctx.cp, ctx.rank, ctx.zigzag, ctx.ulysses)
+        if ctx.vision:
+            share_vision(hf_model, ctx.group)
+        hf_model.set_attn_implementation({"text_config": CP_ATTENTION})
+    else:
+        hf_model.set_attn_implementation(CP_ATTENTION)
     hf_model._mindspeed_cp = ctx
     return hf_model
 

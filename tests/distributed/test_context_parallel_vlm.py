@@ -1,0 +1,76 @@
+"""Context parallelism through vision-language models: a plain Trainer script on a tiny Qwen2.5-VL and Qwen3-VL
+(rows with images of different grids, rows without; right-padded or packed), with the sizes only from
+MINDSPEED_HF_CONFIG, equals a single plain-HF process on the same global batches: logged losses and grad norms
+over 3 clipped SGD steps and every parameter after them (vision tower included) within 1e-5. The reference is the
+rows right-padded (plain HF packs Qwen-VL rows wrongly: one sequence of 3-D positions across documents), so the
+packed runs also show that a packed batch trains as its rows padded. The split happens
+inside the model (parallel/context/multimodal.py): the vision tower keeps its own attention, the text layers run
+the cp attention on their slice (vlm_context_worker.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from child_runs import run_trainer_worker
+
+WORKER = Path(__file__).resolve().parent / "vlm_context_worker.py"
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cp_vlm")
+
+
+_references: dict[tuple[str, bool], dict] = {}
+
+
+def _reference(root: Path, model: str, images_only: bool) -> dict:
+    key = (model, images_only)
+    if key not in _references:
+        _references[key] = run_trainer_worker(WORKER, root, f"ref_{model}_{images_only}", "reference", "--model", model,
+                                              *(["--images-only", "--token-mean"] if images_only else []))
+    return _references[key]
+
+
+STANDIN = Path(__file__).resolve().parents[1] / "npu_standin"
+
+
+@pytest.mark.parametrize(("name", "model", "packed", "config", "nproc", "dp"), [
+    # the npu path (stand-in torch_npu): fused attention in the text layers' ring and in the vision tower
+    ("qwen2_5_vl_ring_padded_npu", "qwen2_5_vl", False, "backend: npu\nparallel: {cp: 2}\n", 2, 1),
+    ("qwen2_5_vl_ulysses_packed", "qwen2_5_vl", True, "parallel: {cp: 2, cp_ulysses: 2}\n", 2, 1),
+    # deepstack features split with the text, and gathered from the ranks' shares of the images (cp_vision)
+    ("qwen3_vl_ring_padded_cp_vision", "qwen3_vl", False, "parallel: {cp: 2, cp_vision: true}\n", 2, 1),
+    ("qwen3_vl_ulysses_packed", "qwen3_vl", True, "parallel: {cp: 2, cp_ulysses: 2}\n", 2, 1),
+    # dp_shard 2 x cp 2 on 4 ranks (FSDP2 over both), the tower shared over cp
+    ("qwen2_5_vl_dp2_cp2_cp_vision", "qwen2_5_vl", False, "parallel: {cp: 2, cp_vision: true}\n", 4, 2),
+    # the hybrid: a ring of 2 Ulysses pairs
+    ("qwen3_vl_hybrid_packed", "qwen3_vl", True, "parallel: {cp: 4, cp_ulysses: 2}\n", 4, 1),
+])
+def test_plain_trainer_on_a_vlm_with_cp_equals_one_process(root, name, model, packed, config, nproc, dp, monkeypatch):
+    # dp > 1: rows with images only (every rank must run the FSDP2-sharded tower each step; see the README), and
+    # the loss a token mean over the dp ranks (Qwen-VL's accepts_loss_kwargs=False would make Trainer average the
+    # ranks' own means: HF's multi-process result, not one process's), on both sides
+    want = _reference(root, model, dp > 1)
+    if "npu" in config:
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(STANDIN), os.environ.get("PYTHONPATH")])))
+    args = ("cp", "--model", model, "--dp", str(dp), *(["--packed"] if packed else []),
+            *(["--images-only", "--token-mean"] if dp > 1 else []))
+    run = run_trainer_worker(WORKER, root, name, *args, config=config, nproc=nproc)
+    assert (run["text_attention"], run["cp"], run["dp"]) == ("mindspeed_cp", nproc // dp, dp)
+    assert run["vision_attention"] == "mindspeed"  # the tower keeps its own (varlen) attention kernel
+    assert run["ran"]["fused_linear_cross_entropy"] > 0 and run["ran"]["attention"] > 0
+    assert (run["vision_shared"] > 0) == ("cp_vision" in config)  # the tower really ran on shares of the images
+    if "npu" in config:
+        assert run["implementations"]["attention"] == "npu:npu_fusion_attention"
+        assert run["vision_implementation"].startswith("npu:npu_fusion_attention")
+        assert run["ran"]["rms_norm"] > 0 and run["ran"]["rope"] > 0
+    for key in ("losses", "grad_norms"):
+        assert len(run[key]) == len(want[key]) == 3
+        assert max(abs(a - b) for a, b in zip(run[key], want[key])) <= TOL, (key, run[key], want[key])
+    assert run["params"].keys() == want["params"].keys()
+    worst = max((run["params"][n] - want["params"][n]).abs().max().item() for n in want["params"])
+    assert worst <= TOL, worst

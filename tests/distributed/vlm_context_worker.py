@@ -1,0 +1,93 @@
+"""Worker for tests/distributed/test_context_parallel_vlm.py: a plain transformers Trainer script, unchanged, on a tiny
+Qwen-VL model (rows with images of different grids, rows without), context parallelism from MINDSPEED_HF_CONFIG
+(torchrun, gloo, CPU, fp32), and its single-process plain-HF reference.
+
+  reference (one process, plain HF, no kernels): Trainer on the global batch (GLOBAL rows per step).
+  cp        (torchrun; sizes from MINDSPEED_HF_CONFIG): the same script after `import mindspeed_hf`; each rank's
+            micro-batch is GLOBAL / dp rows (the data is split over dp only, the sequence across cp).
+Rows are right-padded (tests/tiny_vlms.pad_rows) or packed (mindspeed_hf.data.FlatteningCollator, one row per
+micro-batch). Rank 0 writes the logged losses and grad norms (--out, JSON), the final parameters (gathered, .pt)
+and what ran (attention implementations, the kernels report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_vlms
+
+from tiny_vlms import pad_rows, tiny_vlm, vlm_rows  # noqa: E402
+
+STEPS, GLOBAL = 3, 4
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["reference", "cp"])
+    parser.add_argument("--model", default="qwen2_5_vl")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--packed", action="store_true", help="FlatteningCollator (rows packed into one)")
+    parser.add_argument("--images-only", action="store_true",
+                        help="only the rows with images: under dp_shard every rank must run the vision tower each "
+                             "step (FSDP2 gathers its blocks on every rank; a rank without images would skip them)")
+    parser.add_argument("--token-mean", action="store_true",
+                        help="model.accepts_loss_kwargs = True: Qwen-VL declares False, so Trainer would average the "
+                             "dp ranks' per-rank mean losses instead of taking the token mean one process takes")
+    opts = parser.parse_args()
+    if opts.scenario == "cp":
+        import mindspeed_hf  # noqa: F401 - the drop-in: plain Trainer below is wired
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from mindspeed_hf.data import FlatteningCollator
+
+    class Record(TrainerCallback):
+        losses: list[float] = []
+        grad_norms: list[float] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+                self.grad_norms.append(float(logs["grad_norm"]))
+
+    model = tiny_vlm(opts.model)
+    if opts.token_mean:
+        model.accepts_loss_kwargs = True
+    rows = vlm_rows(model, count=2 * STEPS * GLOBAL)
+    rows = [row for row in rows if "pixel_values" in row or not opts.images_only][: STEPS * GLOBAL]
+    args = TrainingArguments(output_dir=opts.out + ".dir", max_steps=STEPS, optim="sgd", learning_rate=0.5,
+                             per_device_train_batch_size=GLOBAL // opts.dp, max_grad_norm=0.5, logging_steps=1,
+                             report_to="none", disable_tqdm=True, seed=0, save_strategy="no",
+                             dataloader_drop_last=True, use_cpu=True, remove_unused_columns=False)
+    record = Record()
+    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[record],
+                      data_collator=FlatteningCollator() if opts.packed else pad_rows)
+    trainer.train()
+    from torch.distributed.tensor import DTensor
+
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for n, p in trainer.model.named_parameters()}
+    if trainer.args.process_index == 0:
+        torch.save(params, opts.out + ".pt")
+        facts = {"text_attention": model.config.text_config._attn_implementation,
+                 "vision_attention": model.config.vision_config._attn_implementation}
+        if opts.scenario == "cp":
+            from mindspeed_hf.trainers import run_of
+
+            dims = run_of(trainer).dims
+            report = mindspeed_hf.report(trainer.model)
+            facts.update(cp=dims.cp, dp=dims.dp_size, ran=report["ran"], implementations=report["implementations"],
+                         vision_implementation=report.get("vision_attention_implementation"),
+                         vision_shared=getattr(model.model.visual, "_mindspeed_cp_vision", {}).get("shared", 0))
+        with open(opts.out, "w") as f:
+            json.dump({"losses": record.losses, "grad_norms": record.grad_norms, **facts}, f)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
