@@ -192,11 +192,15 @@ def _gather_outputs(module: nn.Module, args: tuple, kwargs: dict[str, Any], outp
     if share is None:
         return None
     module._mindspeed_cp_vision["shared"] += 1
+    gather = lambda t: _GatherImages.apply(t, *share)  # noqa: E731
     if isinstance(output, torch.Tensor):  # transformers 4.57: the merged features
-        return _GatherImages.apply(output, *share)
-    output.pooler_output = _GatherImages.apply(output.pooler_output, *share)
+        return gather(output)
+    if isinstance(output, tuple):  # 4.57's Qwen3-VL: (merged features, [deepstack features])
+        merged, *rest = output
+        return (gather(merged), *([gather(f) for f in part] if isinstance(part, list) else part for part in rest))
+    output.pooler_output = gather(output.pooler_output)
     if getattr(output, "deepstack_features", None):
-        output.deepstack_features = [_GatherImages.apply(f, *share) for f in output.deepstack_features]
+        output.deepstack_features = [gather(f) for f in output.deepstack_features]
     return output
 
 
