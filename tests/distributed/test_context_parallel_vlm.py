@@ -24,15 +24,14 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cp_vlm")
 
 
-_references: dict[tuple[str, bool], dict] = {}
+_references: dict[tuple[str, tuple[str, ...]], dict] = {}
 
 
-def _reference(root: Path, model: str, images_only: bool) -> dict:
-    key = (model, images_only)
-    if key not in _references:
-        _references[key] = run_trainer_worker(WORKER, root, f"ref_{model}_{images_only}", "reference", "--model", model,
-                                              *(["--images-only", "--token-mean"] if images_only else []))
-    return _references[key]
+def _reference(root: Path, model: str, data: tuple[str, ...]) -> dict:
+    if (model, data) not in _references:
+        name = "_".join(["ref", model, *(d.strip("-") for d in data)])
+        _references[model, data] = run_trainer_worker(WORKER, root, name, "reference", "--model", model, *data)
+    return _references[model, data]
 
 
 STANDIN = Path(__file__).resolve().parents[1] / "npu_standin"
@@ -53,12 +52,15 @@ STANDIN = Path(__file__).resolve().parents[1] / "npu_standin"
 def test_plain_trainer_on_a_vlm_with_cp_equals_one_process(root, name, model, packed, config, nproc, dp, monkeypatch):
     # dp > 1: rows with images only (every rank must run the FSDP2-sharded tower each step; see the README), and
     # the loss a token mean over the dp ranks (Qwen-VL's accepts_loss_kwargs=False would make Trainer average the
-    # ranks' own means: HF's multi-process result, not one process's), on both sides
-    want = _reference(root, model, dp > 1)
+    # ranks' own means: HF's multi-process result, not one process's), on both sides. cp_vision at dp 1: videos too
+    # (a video's frames are shared over the ranks like images; at dp > 1 a rank with videos would run the tower
+    # once more than a rank without: the same FSDP2 limit).
+    videos = "cp_vision" in config and dp == 1
+    data = (*(["--images-only", "--token-mean"] if dp > 1 else []), *(["--videos"] if videos else []))
+    want = _reference(root, model, data)
     if "npu" in config:
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(STANDIN), os.environ.get("PYTHONPATH")])))
-    args = ("cp", "--model", model, "--dp", str(dp), *(["--packed"] if packed else []),
-            *(["--images-only", "--token-mean"] if dp > 1 else []))
+    args = ("cp", "--model", model, "--dp", str(dp), *(["--packed"] if packed else []), *data)
     run = run_trainer_worker(WORKER, root, name, *args, config=config, nproc=nproc)
     assert (run["text_attention"], run["cp"], run["dp"]) == ("mindspeed_cp", nproc // dp, dp)
     assert run["vision_attention"] == "mindspeed"  # the tower keeps its own (varlen) attention kernel

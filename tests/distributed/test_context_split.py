@@ -134,13 +134,15 @@ def test_language_model_slice_is_the_text_splitters_slice():
     assert make_slice_hook(cp, 0, True, 1)(nn.Identity(), (), untouched) is None  # not a split batch
 
 
-def test_images_are_shared_whole_and_balanced():
-    from mindspeed_hf.parallel.context.multimodal import image_shares
+def test_frames_are_shared_whole_and_balanced():
+    from mindspeed_hf.parallel.context.multimodal import _frames, frame_shares
 
-    assert image_shares([64, 16, 32], 2) == [(0, 1), (1, 3)]
-    assert image_shares([1, 1, 1, 100], 2) == [(0, 3), (3, 4)]
-    assert image_shares([100, 1, 1, 1], 3) == [(0, 1), (1, 2), (2, 4)]  # every rank at least one image
-    assert image_shares([5], 2) is None  # fewer images than ranks: the tower runs whole on every rank
+    assert frame_shares([64, 16, 32], 2) == [(0, 1), (1, 3)]
+    assert frame_shares([1, 1, 1, 100], 2) == [(0, 3), (3, 4)]
+    assert frame_shares([100, 1, 1, 1], 3) == [(0, 1), (1, 2), (2, 4)]  # every rank at least one frame
+    assert frame_shares([5], 2) is None  # fewer frames than ranks: the tower runs whole on every rank
+    # an image is one frame, a video one frame per temporal patch (the towers attend within a frame)
+    assert _frames(torch.tensor([[1, 4, 8], [3, 2, 4]])).tolist() == [[1, 4, 8], [1, 2, 4], [1, 2, 4], [1, 2, 4]]
 
 
 def test_cp_vision_settings_fail_in_one_line():

@@ -34,8 +34,9 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--packed", action="store_true", help="FlatteningCollator (rows packed into one)")
     parser.add_argument("--images-only", action="store_true",
-                        help="only the rows with images: under dp_shard every rank must run the vision tower each "
-                             "step (FSDP2 gathers its blocks on every rank; a rank without images would skip them)")
+                        help="only the rows with images or videos: under dp_shard every rank must run the vision "
+                             "tower each step (FSDP2 gathers its blocks on every rank; a rank without any skips them)")
+    parser.add_argument("--videos", action="store_true", help="rows with videos too (tiny_vlms.vlm_rows)")
     parser.add_argument("--token-mean", action="store_true",
                         help="model.accepts_loss_kwargs = True: Qwen-VL declares False, so Trainer would average the "
                              "dp ranks' per-rank mean losses instead of taking the token mean one process takes")
@@ -58,8 +59,9 @@ def main() -> None:
     model = tiny_vlm(opts.model)
     if opts.token_mean:
         model.accepts_loss_kwargs = True
-    rows = vlm_rows(model, count=2 * STEPS * GLOBAL)
-    rows = [row for row in rows if "pixel_values" in row or not opts.images_only][: STEPS * GLOBAL]
+    rows = vlm_rows(model, count=2 * STEPS * GLOBAL, videos=opts.videos)
+    vision = ("pixel_values", "pixel_values_videos")
+    rows = [row for row in rows if any(k in row for k in vision) or not opts.images_only][: STEPS * GLOBAL]
     args = TrainingArguments(output_dir=opts.out + ".dir", max_steps=STEPS, optim="sgd", learning_rate=0.5,
                              per_device_train_batch_size=GLOBAL // opts.dp, max_grad_norm=0.5, logging_steps=1,
                              report_to="none", disable_tqdm=True, seed=0, save_strategy="no",

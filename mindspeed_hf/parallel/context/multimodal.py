@@ -18,10 +18,12 @@ then takes this rank's slice of everything that is per token, with the text spli
 The text layers, the head and the loss then run on the slice exactly as for a text model (model.py).
 
 With `parallel.cp_vision` the vision tower is shared instead of repeated (share_vision): every cp rank runs it on
-its share of the images and videos (whole ones, consecutive, balanced by patches; a batch with fewer of them than
-cp ranks runs whole on every rank), and one all-gather hands every rank the merged features of all of them (and
-Qwen3-VL's deepstack features) in order. Its backward sums each image's feature gradient over the ranks (every
-rank's text slice may read every image), so with FSDP2's average over cp the tower's gradients are one process's.
+its share of the frames (an image is one frame; a video's temporal patches are frames: the Qwen-VL towers attend,
+merge and place their rope within a frame, so one long video splits too), consecutive and balanced by patches (a
+batch with fewer frames than cp ranks runs whole on every rank), and one all-gather hands every rank the merged
+features of all of them (and Qwen3-VL's deepstack features) in order. Its backward sums each frame's feature
+gradient over the ranks (every rank's text slice may read every frame), so with FSDP2's average over cp the
+tower's gradients are one process's.
 The tower's `last_hidden_state` (patch-level, before the merger) stays this rank's share: HF's Qwen-VL models read
 only the merged outputs.
 """
@@ -126,9 +128,9 @@ def vision_tower_of(hf_model: nn.Module) -> nn.Module | None:
     return visual if isinstance(visual, nn.Module) and hasattr(visual, "spatial_merge_size") else None
 
 
-def image_shares(patches: list[int], ranks: int) -> list[tuple[int, int]] | None:
-    """Consecutive image ranges [start, end) per rank, balanced by patch count, each non-empty; None when there
-    are fewer images than ranks."""
+def frame_shares(patches: list[int], ranks: int) -> list[tuple[int, int]] | None:
+    """Consecutive frame ranges [start, end) per rank, balanced by patch count, each non-empty; None when there
+    are fewer frames than ranks."""
     if len(patches) < ranks:
         return None
     ends = list(itertools.accumulate(patches))
@@ -138,6 +140,13 @@ def image_shares(patches: list[int], ranks: int) -> list[tuple[int, int]] | None
         cuts.append(min(max(cut, cuts[-1] + 1), len(patches) - (ranks - rank)))
     cuts.append(len(patches))
     return list(zip(cuts, cuts[1:]))
+
+
+def _frames(grids: torch.Tensor) -> torch.Tensor:
+    """[items, 3] (t, h, w) grids -> one (1, h, w) row per frame, in the patches' order (frame-major)."""
+    frames = grids.repeat_interleave(grids[:, 0], dim=0).clone()
+    frames[:, 0] = 1
+    return frames
 
 
 class _GatherImages(torch.autograd.Function):
@@ -162,7 +171,7 @@ class _GatherImages(torch.autograd.Function):
 
 
 def _share_inputs(group: dist.ProcessGroup):
-    """Forward pre-hook of the vision tower: keep this rank's images (their patch rows and grids)."""
+    """Forward pre-hook of the vision tower: keep this rank's frames (their patch rows, one (1, h, w) grid each)."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
 
     def keep_mine(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
@@ -170,17 +179,18 @@ def _share_inputs(group: dist.ProcessGroup):
         grids = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
         if not args or not isinstance(grids, torch.Tensor):
             return None
-        patches = grids.prod(-1).tolist()
-        shares = image_shares(patches, ranks)
+        frames = _frames(grids)
+        patches = frames.prod(-1).tolist()
+        shares = frame_shares(patches, ranks)
         if shares is None:
             return None
         merged = [n // module.spatial_merge_size**2 for n in patches]
         start, end = shares[rank]
         rows = slice(sum(patches[:start]), sum(patches[:end]))
         module._mindspeed_cp_share = ([sum(merged[a:b]) for a, b in shares], rank, group)
-        args = (args[0][rows], *(() if "grid_thw" in kwargs else (grids[start:end],)), *args[2:])
+        args = (args[0][rows], *(() if "grid_thw" in kwargs else (frames[start:end],)), *args[2:])
         if "grid_thw" in kwargs:
-            kwargs["grid_thw"] = grids[start:end]
+            kwargs["grid_thw"] = frames[start:end]
         return args, kwargs
 
     return keep_mine
