@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from child_runs import run_trainer_worker
 
+from mindspeed_hf.parallel.context import padded_length
+
 WORKER = Path(__file__).resolve().parent / "vlm_context_worker.py"
 TOL = 1e-5
 
@@ -65,6 +67,8 @@ def test_plain_trainer_on_a_vlm_with_cp_equals_one_process(root, name, model, pa
     assert (run["text_attention"], run["cp"], run["dp"]) == ("mindspeed_cp", nproc // dp, dp)
     assert run["vision_attention"] == "mindspeed"  # the tower keeps its own (varlen) attention kernel
     assert run["ran"]["fused_linear_cross_entropy"] > 0 and run["ran"]["attention"] > 0
+    cp = nproc // dp  # the text layers see this rank's share of the (padded) sequence, nothing more
+    assert run["lengths"]["text"] == [padded_length(n, cp, zigzag=True) // cp for n in run["lengths"]["full"]]
     assert (run["vision_shared"] > 0) == ("cp_vision" in config)  # the tower really ran on shares of the images
     if "npu" in config:
         assert run["implementations"]["attention"] == "npu:npu_fusion_attention"

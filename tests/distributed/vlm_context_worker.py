@@ -67,6 +67,10 @@ def main() -> None:
                              report_to="none", disable_tqdm=True, seed=0, save_strategy="no",
                              dataloader_drop_last=True, use_cpu=True, remove_unused_columns=False)
     record = Record()
+    seen: dict[str, list[int]] = {"full": [], "text": []}  # sequence lengths: the batch's, the first text layer's
+    model.register_forward_pre_hook(lambda m, a, k: seen["full"].append(k["input_ids"].shape[1]), with_kwargs=True)
+    model.model.language_model.layers[0].register_forward_pre_hook(
+        lambda m, a, k: seen["text"].append((a[0] if a else k["hidden_states"]).shape[1]), with_kwargs=True)
     trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[record],
                       data_collator=FlatteningCollator() if opts.packed else pad_rows)
     trainer.train()
@@ -76,7 +80,7 @@ def main() -> None:
               for n, p in trainer.model.named_parameters()}
     if trainer.args.process_index == 0:
         torch.save(params, opts.out + ".pt")
-        facts = {"text_attention": model.config.text_config._attn_implementation,
+        facts = {"lengths": seen, "text_attention": model.config.text_config._attn_implementation,
                  "vision_attention": model.config.vision_config._attn_implementation}
         if opts.scenario == "cp":
             from mindspeed_hf.trainers import run_of
