@@ -45,12 +45,9 @@ def build_model(layers: int):
         num_key_value_heads=2, max_position_embeddings=1 << 16, tie_word_embeddings=False, attn_implementation="sdpa"))
 
 
-def measure(cp: int, ulysses: int, seq: int, layers: int, steps: int) -> tuple[int, float]:
-    dims = ParallelDims(dp_shard=-1, cp=cp, cp_ulysses=ulysses)
-    dims.build_mesh("cpu")
-    model = parallelize(build_model(layers), dims, MindSpeedConfig(parallel=ParallelConfig(cp=cp, cp_ulysses=ulysses)))
-    ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids, "use_cache": False}
+def measure_step(model, batch: dict, steps: int) -> tuple[int, list[float]]:
+    """(activation bytes alive after one forward, the times of `steps` forward + backward steps) of `model` on its
+    cp share of `batch`, after a warm-up step."""
     ctx = context_of(model)
     local = split_cp_batch(batch, ctx) if ctx is not None else batch
     model(**local).loss.backward()  # warm-up
@@ -62,7 +59,16 @@ def measure(cp: int, ulysses: int, seq: int, layers: int, steps: int) -> tuple[i
         start = time.perf_counter()
         model(**local).loss.backward()
         times.append(time.perf_counter() - start)
-    return memory.alive_bytes, statistics.median(times)
+    return memory.alive_bytes, times
+
+
+def measure(cp: int, ulysses: int, seq: int, layers: int, steps: int) -> tuple[int, float]:
+    dims = ParallelDims(dp_shard=-1, cp=cp, cp_ulysses=ulysses)
+    dims.build_mesh("cpu")
+    model = parallelize(build_model(layers), dims, MindSpeedConfig(parallel=ParallelConfig(cp=cp, cp_ulysses=ulysses)))
+    ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(1))
+    alive, times = measure_step(model, {"input_ids": ids, "labels": ids, "use_cache": False}, steps)
+    return alive, statistics.median(times)
 
 
 def main() -> None:

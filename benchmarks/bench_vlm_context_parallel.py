@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,12 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))  # tiny_vlms
 
+from bench_context_parallel import measure_step  # noqa: E402  (the same measuring step as for text)
 from results_io import emit  # noqa: E402
 from tiny_vlms import END, START, VIDEO, tiny_vlm  # noqa: E402
 
 from mindspeed_hf.config import MindSpeedConfig, ParallelConfig  # noqa: E402
-from mindspeed_hf.memory.measure import measure_forward  # noqa: E402
-from mindspeed_hf.parallel import ParallelDims, context_of, init_distributed, parallelize, split_cp_batch  # noqa: E402
+from mindspeed_hf.parallel import ParallelDims, init_distributed, parallelize  # noqa: E402
 
 LAYOUTS = {  # name: (cp, cp_ulysses, cp_vision)
     "cp1": (1, 1, False), "cp2 ring": (2, 1, False), "cp2 ring + cp_vision": (2, 1, True),
@@ -61,18 +60,7 @@ def measure(cp: int, ulysses: int, vision: bool, row: dict, steps: int) -> tuple
     dims.build_mesh("cpu")
     parallel = ParallelConfig(cp=cp, cp_ulysses=ulysses, cp_vision=vision)
     model = parallelize(tiny_vlm("qwen2_5_vl"), dims, MindSpeedConfig(parallel=parallel))
-    ctx = context_of(model)
-    local = split_cp_batch(row, ctx) if ctx is not None else row
-    model(**local).loss.backward()  # warm-up
-    loss, memory = measure_forward(model, lambda: model(**local).loss)
-    loss.backward()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        model(**local).loss.backward()
-        times.append(time.perf_counter() - start)
-    return memory.alive_bytes, times
+    return measure_step(model, row, steps)
 
 
 def main() -> None:

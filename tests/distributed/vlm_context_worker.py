@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_vlms
 
 from tiny_vlms import pad_rows, tiny_vlm, vlm_rows  # noqa: E402
+from trainer_worker import recorder  # noqa: E402
 
 STEPS, GLOBAL = 3, 4
 
@@ -43,18 +44,9 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.scenario == "cp":
         import mindspeed_hf  # noqa: F401 - the drop-in: plain Trainer below is wired
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from mindspeed_hf.data import FlatteningCollator
-
-    class Record(TrainerCallback):
-        losses: list[float] = []
-        grad_norms: list[float] = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(float(logs["loss"]))
-                self.grad_norms.append(float(logs["grad_norm"]))
 
     model = tiny_vlm(opts.model)
     if opts.token_mean:
@@ -66,7 +58,7 @@ def main() -> None:
                              per_device_train_batch_size=GLOBAL // opts.dp, max_grad_norm=0.5, logging_steps=1,
                              report_to="none", disable_tqdm=True, seed=0, save_strategy="no",
                              dataloader_drop_last=True, use_cpu=True, remove_unused_columns=False)
-    record = Record()
+    record = recorder()
     seen: dict[str, list[int]] = {"full": [], "text": []}  # sequence lengths: the batch's, the first text layer's
     model.register_forward_pre_hook(lambda m, a, k: seen["full"].append(k["input_ids"].shape[1]), with_kwargs=True)
     model.model.language_model.layers[0].register_forward_pre_hook(
