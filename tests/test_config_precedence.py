@@ -32,6 +32,8 @@ ACCELERATE = {"parallel.dp_replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
               "memory.recompute": "FSDP_ACTIVATION_CHECKPOINTING"}
 ACCELERATE_FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
 SETTINGS = [s for s in settings() if s.type is bool or s.path in VALUES]
+# Settings valid only with another one set too (given the same way): cp_vision shares the tower over cp ranks.
+COMPANIONS = {"parallel.cp_vision": ("parallel.cp", 2)}
 
 
 def _value(setting):
@@ -53,26 +55,36 @@ def _nested(setting, value) -> dict:
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.path)
 def test_every_way_of_giving_a_setting_reaches_the_same_field(setting, tmp_path):
     value = _value(setting)
+    given = [(setting, value)]
+    if setting.path in COMPANIONS:
+        path, companion = COMPANIONS[setting.path]
+        given.append((next(s for s in settings() if s.path == path), companion))
+    flags = [arg for s, v in given for arg in (f"--{s.argument}", _text(v))]
     (flagged,) = HfArgumentParser(MindSpeedTrainingArguments).parse_args_into_dataclasses(
-        args=["--output_dir", str(tmp_path), f"--{setting.argument}", _text(value)])
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(_nested(setting, value)))
+        args=["--output_dir", str(tmp_path), *flags])
+    nested: dict = {}
+    for s, v in given:
+        for key, part in _nested(s, v).items():
+            nested[key] = {**nested.get(key, {}), **part} if isinstance(part, dict) else part
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(nested))
     ways = {
         "flag": flagged.mindspeed_resolved(),
         "yaml": resolve(env={"MINDSPEED_HF_CONFIG": str(tmp_path / "c.yaml")}),
-        "env": resolve(env={setting.env: _text(value)}),
+        "env": resolve(env={s.env: _text(v) for s, v in given}),
     }
-    if setting.path in ACCELERATE:
+    if setting.path in ACCELERATE and len(given) == 1:
         ways["accelerate"] = resolve(env={**ACCELERATE_FSDP2, ACCELERATE[setting.path]: _text(value)})
     for way, resolved in ways.items():
         assert _field(resolved.config, setting) == value, way
         assert resolved.is_set(setting.path), way
-        assert resolved.config == _only(setting, value), f"{way} changed other settings"
+        assert resolved.config == _only(given), f"{way} changed other settings"
 
 
-def _only(setting, value) -> MindSpeedConfig:
+def _only(given) -> MindSpeedConfig:
     config = MindSpeedConfig()
-    target = config if setting.section is None else getattr(config, setting.section)
-    setattr(target, setting.key, value)
+    for setting, value in given:
+        target = config if setting.section is None else getattr(config, setting.section)
+        setattr(target, setting.key, value)
     return config
 
 

@@ -56,7 +56,7 @@ class _StackedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, n: int, *params: torch.Tensor) -> torch.Tensor:
         weights, biases = params[:n], params[n:]
-        ctx.n, ctx.has_bias = n, bool(biases)
+        ctx.has_bias = bool(biases)
         ctx.save_for_backward(x, *weights)
         return F.linear(x, torch.cat(weights), torch.cat(biases) if biases else None)
 
@@ -64,11 +64,13 @@ class _StackedLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         grad_x = grad @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[2:]):  # every weight and bias frozen
+            return (grad_x, None, *[None] * (len(ctx.needs_input_grad) - 2))
         flat = grad.reshape(-1, grad.shape[-1])
-        grad_w = flat.t() @ x.reshape(-1, x.shape[-1])
         sizes = [w.shape[0] for w in weights]
+        grad_w = (flat.t() @ x.reshape(-1, x.shape[-1])).split(sizes)
         grad_b = flat.sum(0).split(sizes) if ctx.has_bias else ()
-        return (grad_x, None, *grad_w.split(sizes), *grad_b)
+        return (grad_x, None, *grad_w, *grad_b)
 
 
 def _stacked(x: torch.Tensor, layers: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
@@ -86,10 +88,15 @@ register("stacked_linear", "torch", name="torch:separate")(_separate)
 register("stacked_linear", "npu", name="npu:one_matmul")(_stacked)
 
 
+def stacks(x: torch.Tensor, layers: Sequence[object]) -> bool:
+    """Whether `project(x, layers)` runs them as one stacked matmul: a backend that stacks, and `stackable`."""
+    return select("stacked_linear", x.device).backend != "torch" and stackable(x, layers)
+
+
 def project(x: torch.Tensor, layers: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
-    """`tuple(layer(x) for layer in layers)`, as one stacked matmul where the backend stacks and `stackable` holds
-    (counted as stacked_linear in report()["ran"] only then)."""
-    if select("stacked_linear", x.device).backend == "torch" or not stackable(x, layers):
+    """`tuple(layer(x) for layer in layers)`, as one stacked matmul where `stacks` (counted as stacked_linear in
+    report()["ran"] only then)."""
+    if not stacks(x, layers):
         return _separate(x, layers)
     return run("stacked_linear", x.device)(x, layers)
 

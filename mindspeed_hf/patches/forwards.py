@@ -24,8 +24,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from .. import compat
-from ..ops.linear import project, stackable
-from ..ops.registry import select
+from ..ops.linear import project, stacks
 from ..ops.rms_norm import add_rms_norm, rms_norm
 from ..ops.rotary import apply_rotary_pos_emb
 from ..ops.swiglu import swiglu, swiglu_packed
@@ -81,8 +80,7 @@ def stacked_qkv_forward(original: Callable) -> Callable:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args else kwargs.get("hidden_states")
         layers = tuple(getattr(self, name, None) for name in QKV)
-        if not isinstance(x, torch.Tensor) or select("stacked_linear", x.device).backend == "torch" \
-                or not stackable(x, layers):
+        if not isinstance(x, torch.Tensor) or not stacks(x, layers):
             return original(self, *args, **kwargs)
         with _served(layers, x, project(x, layers)):
             return original(self, *args, **kwargs)

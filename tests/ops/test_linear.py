@@ -115,3 +115,20 @@ def test_a_model_on_npu_stacks_qkv_and_gate_up_with_hf_results(model_type):
     assert report["implementations"]["stacked_linear"] == "npu:one_matmul"
     assert set(model.state_dict()) == keys
     assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_frozen_projections_stack_with_the_inputs_gradient_only():
+    registry.set_backend("npu")
+    try:
+        layers = _layers(True)
+        for layer in layers:
+            layer.requires_grad_(False)
+        x = torch.randn(2, 5, 16, requires_grad=True)
+        (sum(o.sum() for o in linear.project(x, layers))).backward()
+        got = x.grad.clone()
+        x.grad = None
+        (sum(layer(x).sum() for layer in layers)).backward()
+        torch.testing.assert_close(got, x.grad, atol=1e-6, rtol=1e-6)
+        assert all(p.grad is None for layer in layers for p in layer.parameters())
+    finally:
+        registry.set_backend(None)
