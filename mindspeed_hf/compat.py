@@ -170,13 +170,14 @@ def create_mask(builder: Callable, config: Any, inputs_embeds: torch.Tensor, att
                 position_ids: torch.Tensor | None = None) -> Any:
     """Call a `masking_utils.create_*_mask` builder for a prefill without a cache, as the model code does.
 
-    5.x: `(config, inputs_embeds, attention_mask, cache, position_ids)`. 4.57: `(config, input_embeds,
-    attention_mask, cache_position, past_key_values, position_ids)`.
+    5.24: `(config, inputs_embeds, attention_mask, cache, position_ids)`; 5.x before it names the cache
+    `past_key_values`. 4.57: `(config, input_embeds, attention_mask, cache_position, past_key_values, position_ids)`.
     """
     params = inspect.signature(builder).parameters
     if "cache_position" not in params:
-        return builder(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=None,
-                       position_ids=position_ids)
+        no_cache = {"cache": None} if "cache" in params else {"past_key_values": None}
+        return builder(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                       position_ids=position_ids, **no_cache)
     cache_position = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
     return builder(config=config, input_embeds=inputs_embeds, attention_mask=attention_mask,
                    cache_position=cache_position, past_key_values=None, position_ids=position_ids)
