@@ -62,7 +62,7 @@ def test_plain_trainer_on_a_vlm_with_cp_equals_one_process(root, name, model, pa
     want = _reference(root, model, data)
     if "npu" in config:
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(STANDIN), os.environ.get("PYTHONPATH")])))
-    args = ("cp", "--model", model, "--dp", str(dp), *(["--packed"] if packed else []), *data)
+    args = ("sharded", "--model", model, "--dp", str(dp), *(["--packed"] if packed else []), *data)
     run = run_trainer_worker(WORKER, root, name, *args, config=config, nproc=nproc)
     assert (run["text_attention"], run["cp"], run["dp"]) == ("mindspeed_cp", nproc // dp, dp)
     assert run["vision_attention"] == "mindspeed"  # the tower keeps its own (varlen) attention kernel

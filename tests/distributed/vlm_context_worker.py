@@ -3,7 +3,7 @@ Qwen-VL model (rows with images of different grids, rows without), context paral
 (torchrun, gloo, CPU, fp32), and its single-process plain-HF reference.
 
   reference (one process, plain HF, no kernels): Trainer on the global batch (GLOBAL rows per step).
-  cp        (torchrun; sizes from MINDSPEED_HF_CONFIG): the same script after `import mindspeed_hf`; each rank's
+  sharded   (torchrun; sizes from MINDSPEED_HF_CONFIG): the same script after `import mindspeed_hf`; each rank's
             micro-batch is GLOBAL / dp rows (the data is split over dp only, the sequence across cp).
 Rows are right-padded (tests/tiny_vlms.pad_rows) or packed (mindspeed_hf.data.FlatteningCollator, one row per
 micro-batch). Rank 0 writes the logged losses and grad norms (--out, JSON), the final parameters (gathered, .pt)
@@ -29,7 +29,7 @@ STEPS, GLOBAL = 3, 4
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["reference", "cp"])
+    parser.add_argument("scenario", choices=["reference", "sharded"])
     parser.add_argument("--model", default="qwen2_5_vl")
     parser.add_argument("--out", required=True)
     parser.add_argument("--dp", type=int, default=1)
@@ -42,7 +42,7 @@ def main() -> None:
                         help="model.accepts_loss_kwargs = True: Qwen-VL declares False, so Trainer would average the "
                              "dp ranks' per-rank mean losses instead of taking the token mean one process takes")
     opts = parser.parse_args()
-    if opts.scenario == "cp":
+    if opts.scenario == "sharded":
         import mindspeed_hf  # noqa: F401 - the drop-in: plain Trainer below is wired
     from transformers import Trainer, TrainingArguments
 
@@ -74,7 +74,7 @@ def main() -> None:
         torch.save(params, opts.out + ".pt")
         facts = {"lengths": seen, "text_attention": model.config.text_config._attn_implementation,
                  "vision_attention": model.config.vision_config._attn_implementation}
-        if opts.scenario == "cp":
+        if opts.scenario == "sharded":
             from mindspeed_hf.trainers import run_of
 
             dims = run_of(trainer).dims
