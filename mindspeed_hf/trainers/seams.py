@@ -211,7 +211,8 @@ SEAMS: tuple[Seam, ...] = (
          since="2.6", package="torch", owner="torch.nn.modules.module"),
     # torch: tensors and storages
     Seam("Tensor._base", "object", "deferred logits answer FSDP2's view check on a forward's outputs without being "
-         "computed (patches/lazy_logits.py)", since="2.6", package="torch", owner="torch.Tensor"),
+         "computed (patches/lazy_logits.py); gate and up, views of one stacked output, reach npu_swiglu as that "
+         "output (ops/linear.py halves_of_one)", since="2.6", package="torch", owner="torch.Tensor"),
     Seam("Tensor._version", "object", "a cached mask is reused only while its source tensor was not written "
          "(ops/varlen.py)", since="2.6", package="torch", owner="torch.Tensor"),
     Seam("Tensor._is_view", "object", "views are not offloaded (memory/offload.py)", since="2.6", package="torch",

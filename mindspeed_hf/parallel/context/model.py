@@ -54,7 +54,7 @@ class ContextParallel:
     ulysses_group: dist.ProcessGroup | None
     pad_token_id: int = 0
     inside: bool = False  # split inside the model (vision-language: after the vision features are merged)
-    vision: bool = False  # parallel.cp_vision: the vision tower's images shared over the cp group
+    vision: bool = False  # parallel.cp_vision: the vision tower's frames shared over the cp group
     group: dist.ProcessGroup | None = None  # the whole cp group (ring x Ulysses)
 
     @property
@@ -204,7 +204,9 @@ def check_context_parallel(hf_model: nn.Module, ulysses: int, vision: bool = Fal
 
 def apply_context_parallel(hf_model: nn.Module, ctx: ContextParallel) -> nn.Module:
     """Make `hf_model`'s attention run over the cp group (checked first): every attention module gets `ctx`,
-    the model's attn_implementation becomes "mindspeed_cp"."""
+    the model's attn_implementation becomes "mindspeed_cp" - for a vision-language model only its text config's,
+    the sequence then split inside the model (multimodal.split_inside) and, with `ctx.vision`, the tower's
+    frames shared over the cp group (multimodal.share_vision)."""
     check_context_parallel(hf_model, ctx.ulysses, ctx.vision)
     register_cp_attention()
     for module in hf_model.modules():

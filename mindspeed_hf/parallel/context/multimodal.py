@@ -149,7 +149,7 @@ def _frames(grids: torch.Tensor) -> torch.Tensor:
     return frames
 
 
-class _GatherImages(torch.autograd.Function):
+class _GatherFrames(torch.autograd.Function):
     """This rank's rows -> every rank's, in rank order (`sizes` rows each); backward: this rank's rows of the
     gradient summed over the group."""
 
@@ -202,7 +202,10 @@ def _gather_outputs(module: nn.Module, args: tuple, kwargs: dict[str, Any], outp
     if share is None:
         return None
     module._mindspeed_cp_vision["shared"] += 1
-    gather = lambda t: _GatherImages.apply(t, *share)  # noqa: E731
+
+    def gather(rows: torch.Tensor) -> torch.Tensor:
+        return _GatherFrames.apply(rows, *share)
+
     if isinstance(output, torch.Tensor):  # transformers 4.57: the merged features
         return gather(output)
     if isinstance(output, tuple):  # 4.57's Qwen3-VL: (merged features, [deepstack features])
