@@ -148,6 +148,7 @@ def main() -> None:
         with open(opts.out, "w") as f:
             json.dump(result, f, indent=1)
     dist.barrier()
+    dist.destroy_process_group()  # gloo's threads joined before exit (CI once aborted at exit without this)
 
 
 if __name__ == "__main__":
