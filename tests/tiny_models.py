@@ -53,8 +53,23 @@ FAMILY_CONFIGS: dict[str, dict] = {
 }
 
 
+# Hybrid linear-attention families (Gated DeltaNet layers among gated full-attention ones): their packed batches are
+# checked against the documents as separate rows (tests/models/test_hybrid.py), not against HF's packed forward.
+_LINEAR = dict(
+    num_hidden_layers=4, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=256,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+)
+HYBRID_CONFIGS: dict[str, dict] = {
+    # MoE on every second layer (one linear, one full), dense MLPs on the others; a shared expert
+    "qwen3_next": dict(**_LINEAR, **_MOE, decoder_sparse_step=2, shared_expert_intermediate_size=48),
+    "qwen3_5_text": dict(_LINEAR),
+    "qwen3_5_moe_text": dict(**_LINEAR, **_MOE, shared_expert_intermediate_size=48),
+}
+
+
 def tiny_config(model_type: str, **overrides):
-    kwargs = {**_COMMON, **FAMILY_CONFIGS[model_type], **overrides}
+    kwargs = {**_COMMON, **{**FAMILY_CONFIGS, **HYBRID_CONFIGS}[model_type], **overrides}
     return AutoConfig.for_model(model_type, **kwargs)
 
 

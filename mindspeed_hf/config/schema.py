@@ -71,6 +71,10 @@ class KernelConfig:
                                                                  "[tokens, vocab] logits")
     experts: bool = _declare(True, boolean(), "make the grouped-GEMM MoE experts kernel the default experts "
                              "implementation (transformers >= 5; an explicit experts_implementation is kept)")
+    linear_attention: bool = _declare(True, boolean(), "Gated DeltaNet layers (Qwen3-Next, Qwen3.5): the chunked "
+                                      "gated delta rule on the backend's kernel (flash-linear-attention on CUDA/NPU "
+                                      "when installed, transformers' torch code otherwise) and packed documents kept "
+                                      "apart in the linear layers as in the attention ones")
     loss_chunk_size: int = _declare(0, integer(0, " (0 = automatic)"), "tokens per chunk of the fused loss; 0 picks "
                                                                        "one from the vocabulary size")
     skip_logits: str = _declare("auto", choice(("auto", "always", "never")), "when a forward with labels builds the "

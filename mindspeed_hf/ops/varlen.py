@@ -9,6 +9,7 @@ a reference to that tensor so that its id cannot be reused by another tensor whi
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -150,3 +151,41 @@ def pad(x: torch.Tensor, info: VarlenInfo, batch: int, seq: int) -> torch.Tensor
         full = x.new_zeros(info.total, *x.shape[1:])
         x = full.index_copy(0, info.indices, x)  # out of place: differentiable w.r.t. x
     return x.reshape(batch, seq, *x.shape[1:])
+
+
+@dataclass(frozen=True)
+class DocumentRows:
+    """Packed documents laid out as right-padded rows: `index` [T] is where each token of the flattened packed batch
+    goes in the flattened [rows, longest] layout, `mask` [rows, longest] is 1 at the real tokens (HF's 2-D
+    attention mask for the rows)."""
+
+    index: torch.Tensor
+    mask: torch.Tensor
+
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, ...] packed -> [rows, longest, ...] (zeros after each document); differentiable."""
+        flat = x.reshape(-1, *x.shape[2:])
+        rows = flat.new_zeros(self.mask.numel(), *x.shape[2:]).index_copy(0, self.index, flat)
+        return rows.reshape(*self.mask.shape, *x.shape[2:])
+
+    def from_rows(self, y: torch.Tensor, batch: int) -> torch.Tensor:
+        """[rows, longest, ...] -> [batch, S, ...] packed (the padding dropped); differentiable."""
+        flat = y.reshape(-1, *y.shape[2:]).index_select(0, self.index)
+        return flat.reshape(batch, -1, *y.shape[2:])
+
+
+def document_rows(info: VarlenInfo, device: torch.device | str) -> DocumentRows:
+    """The rows layout of `info`'s sequences (one row each, in order), memoised per layout and device."""
+    return _document_rows(info.cu_seqlens, str(device))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _document_rows(cu_seqlens: tuple[int, ...], device: str) -> DocumentRows:
+    starts = (0, *cu_seqlens[:-1])
+    lengths = torch.tensor([end - start for start, end in zip(starts, cu_seqlens)], device=device)
+    longest = int(lengths.max()) if len(cu_seqlens) else 0
+    row = torch.repeat_interleave(torch.arange(len(cu_seqlens), device=device), lengths)
+    offset = torch.arange(int(lengths.sum()), device=device) - torch.tensor(starts, device=device)[row]
+    index = row * longest + offset
+    mask = torch.zeros(len(cu_seqlens) * longest, dtype=torch.long, device=device).index_fill(0, index, 1)
+    return DocumentRows(index, mask.reshape(len(cu_seqlens), longest))

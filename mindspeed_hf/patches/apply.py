@@ -18,13 +18,13 @@ from .. import compat
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS, register_attention, unregister_attention
-from . import experts, forwards, multimodal, quantized, scope, third_party
+from . import experts, forwards, linear_attention, multimodal, quantized, scope, third_party
 from .engine import PatchSet
 from .families import FAMILIES, ModelFamily
 
 logger = logging.getLogger("mindspeed_hf")
 
-_OPS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy", "experts")
+_OPS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy", "experts", "linear_attention")
 
 _patches = PatchSet()
 # The process config itself lives in scope (the kernels read it there); here only whether it was given explicitly.
@@ -43,14 +43,19 @@ def _modeling(family: ModelFamily):
         return None
 
 
-def _attention_default(original):
+def _replaceable(model: nn.Module, family: ModelFamily) -> bool:
+    """Whether our attention can take the place of this model's sdpa with the same results."""
+    return family.attention_interface or compat.sdpa_replaceable(model)
+
+
+def _attention_default(original, family: ModelFamily):
     """Wrap XPreTrainedModel.get_correct_attn_implementation: the default (no request) becomes our kernel when the
     current config has attention on; an explicit request ("sdpa", "eager", ...) is kept and remembered."""
 
     @functools.wraps(original)
     def get_correct_attn_implementation(self, requested_attention=None, is_init_check=False):
         if requested_attention is None:
-            if scope.kernel_on("attention") and self._supports_sdpa and compat.sdpa_replaceable(self):
+            if scope.kernel_on("attention") and self._supports_sdpa and _replaceable(self, family):
                 requested_attention = ATTENTION_NAME
         elif requested_attention != ATTENTION_NAME:
             self._mindspeed_explicit_attention = requested_attention
@@ -126,7 +131,7 @@ def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
     pretrained = getattr(module, family.pretrained)
     if default_attention and not _patches.is_patched(pretrained, "get_correct_attn_implementation"):
         _patches.set(pretrained, "get_correct_attn_implementation",
-                     _attention_default(pretrained.get_correct_attn_implementation))
+                     _attention_default(pretrained.get_correct_attn_implementation, family))
     if family.experts and experts.available() and not _patches.is_patched(pretrained,
                                                                            "get_correct_experts_implementation"):
         _patches.set(pretrained, "get_correct_experts_implementation",
@@ -140,6 +145,7 @@ def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
         if not _patches.is_patched(cls, "forward"):
             _switch_method(cls, "forward", "fused_linear_cross_entropy", causal_lm.laid_out_as(cls.forward))
     multimodal.patch_family(family, module, _switch_method, _set_once)
+    linear_attention.patch_family(family, module, _switch_method)
 
 
 def _set_once(owner: Any, name: str, value: Any) -> None:
@@ -263,7 +269,7 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
     if current == ATTENTION_NAME and _sub_models_on(hf_model, "sdpa"):
         current = "sdpa"  # a nested sub-model left on sdpa (4.57's Qwen3-TTS code predictor built while enabled)
     if getattr(hf_model, "_mindspeed_explicit_attention", None) is None:
-        if config.kernels.attention and current == "sdpa" and compat.sdpa_replaceable(hf_model):
+        if config.kernels.attention and current == "sdpa" and _replaceable(hf_model, family):
             _set_attention(hf_model, ATTENTION_NAME)
         elif not config.kernels.attention and current == ATTENTION_NAME:
             _set_attention(hf_model, "sdpa")

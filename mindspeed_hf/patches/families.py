@@ -37,6 +37,14 @@ class ModelFamily:
     vision_rope: bool = False
     # LLaVA / InternVL: the language model is a stock family, the one named by config.text_config.model_type.
     text_from_config: bool = False
+    # Hybrid linear attention (Qwen3-Next, Qwen3.5): the XGatedDeltaNet layers, their gated RMSNorm and the text
+    # models whose forward finds packed documents (patches/linear_attention.py).
+    linear_attention: str = ""
+    # Its attention goes through AttentionInterface although the model class leaves _supports_attention_backend
+    # (vLLM's flag, which compat.sdpa_replaceable reads) unset, as the hybrid models do.
+    attention_interface: bool = False
+    gated_rms_norm: str = ""
+    text_models: tuple[str, ...] = ()
 
     @property
     def modeling_module(self) -> str:
@@ -65,6 +73,15 @@ def _vlm(model_type: str, prefix: str, **overrides) -> ModelFamily:
     entry = dict(causal_lm=(), vlm_heads=(f"{prefix}ForConditionalGeneration",),
                  vision_attention=(f"{prefix}VisionAttention",), vision_rope=True, rms_norm=(f"{prefix}RMSNorm",),
                  decoder_layer="")  # add+norm not fused in the VLM text models yet (no parity test for it there)
+    entry.update(overrides)
+    return _dense(model_type, prefix, **entry)
+
+
+def _hybrid(model_type: str, prefix: str, text_model: str, **overrides) -> ModelFamily:
+    """A hybrid linear-attention entry: Gated DeltaNet layers (XGatedDeltaNet, XRMSNormGated) among gated full
+    attention layers, offset RMSNorm (x * (1 + w)), partial rope."""
+    entry = dict(offset_rms_norm=True, linear_attention=f"{prefix}GatedDeltaNet", attention_interface=True,
+                 gated_rms_norm=f"{prefix}RMSNormGated", text_models=(text_model,))
     entry.update(overrides)
     return _dense(model_type, prefix, **entry)
 
@@ -106,6 +123,11 @@ FAMILIES: dict[str, ModelFamily] = {
                decoder_layer="",  # its talker / code-predictor layers are not Qwen3TTSDecoderLayer
                swiglu_mlp=("Qwen3TTSTalkerTextMLP",),
                mrope_attention=(("Qwen3TTSTalkerAttention", "apply_multimodal_rotary_pos_emb"),)),
+        # Hybrid linear attention: Qwen3-Next (MoE with a shared expert), Qwen3.5 and Qwen3.5-MoE text models.
+        _hybrid("qwen3_next", "Qwen3Next", "Qwen3NextModel", experts=("Qwen3NextExperts",)),
+        _hybrid("qwen3_5_text", "Qwen3_5", "Qwen3_5TextModel", module="qwen3_5"),
+        _hybrid("qwen3_5_moe_text", "Qwen3_5Moe", "Qwen3_5MoeTextModel", module="qwen3_5_moe",
+                experts=("Qwen3_5MoeExperts",)),
         # Vision-language models: text parts as their dense / MoE cousins (mRoPE cos/sin come from the model's own
         # rotary module), vision towers on the varlen attention, vision rope, RMSNorm and SwiGLU-with-bias kernels.
         _vlm("qwen2_vl", "Qwen2VL", rms_norm=("Qwen2VLRMSNorm",), swiglu_mlp=("Qwen2MLP",),

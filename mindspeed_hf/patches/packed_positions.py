@@ -30,8 +30,35 @@ def rope_index_owners(module) -> list[type]:
             if isinstance(cls, type) and issubclass(cls, nn.Module) and "get_rope_index" in vars(cls)]
 
 
-def _filled(cache: Any) -> bool:
+def filled(cache: Any) -> bool:
+    """A cache that already holds tokens (a continuation, not a fresh forward)."""
     return cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
+
+
+def bind(signature: inspect.Signature, *args: Any, **kwargs: Any) -> tuple[inspect.BoundArguments, dict[str, Any]]:
+    """HF's forward arguments bound by name, and every argument by name (its **kwargs included)."""
+    bound = signature.bind(*args, **kwargs)
+    return bound, {**bound.arguments.get("kwargs", {}), **bound.arguments}
+
+
+def call_by_name(original: Callable, signature: inspect.Signature, bound: inspect.BoundArguments) -> Any:
+    """original(self, every other argument by name): HF's decorators (merge_with_config_defaults, ...) may fill in
+    keywords themselves, which a positional `use_cache` would then collide with."""
+    first, *_ = signature.parameters
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif name != first:
+            named[name] = value
+    return original(bound.arguments[first], **named)
+
+
+def without_cache(signature: inspect.Signature, bound: inspect.BoundArguments) -> None:
+    """use_cache=False on a bound call: a cache of packed documents means nothing, and HF only finds packed
+    documents (its block-diagonal mask) without one."""
+    target = bound.arguments if "use_cache" in signature.parameters else bound.arguments.setdefault("kwargs", {})
+    target["use_cache"] = False
 
 
 def _documents(text_positions: torch.Tensor) -> list[list[tuple[int, int]]]:
@@ -113,20 +140,17 @@ def packed_positions_forward(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any):
-        bound = signature.bind(self, *args, **kwargs)
-        arguments = {**bound.arguments.get("kwargs", {}), **bound.arguments}
+        bound, arguments = bind(signature, self, *args, **kwargs)
         positions, input_ids = arguments.get("position_ids"), arguments.get("input_ids")
         if (not isinstance(positions, torch.Tensor) or positions.dim() != 2 or input_ids is None
                 or arguments.get("attention_mask") is not None
-                or _filled(arguments.get("cache", arguments.get("past_key_values")))):
+                or filled(arguments.get("cache", arguments.get("past_key_values")))):
             return original(self, *args, **kwargs)
         spans = _documents(positions.expand(input_ids.shape[0], -1))
         bound.arguments["position_ids"] = packed_rope_positions(self, input_ids, positions, arguments, spans)
         if any(len(documents) > 1 for documents in spans):
-            target = bound.arguments if "use_cache" in signature.parameters else bound.arguments.setdefault(
-                "kwargs", {})
-            target["use_cache"] = False
-        return original(*bound.args, **bound.kwargs)
+            without_cache(signature, bound)
+        return call_by_name(original, signature, bound)
 
     forward._mindspeed_packed_positions = True
     return forward

@@ -16,7 +16,8 @@ from mindspeed_hf.patches.forwards import checkpointing_cell
 
 # Text decoders (XForCausalLM heads); vision-language and third-party families have their own tests
 # (tests/models/test_vlm.py, the Qwen3-TTS example's).
-TEXT_FAMILIES = {name: family for name, family in FAMILIES.items() if family.causal_lm}
+# Hybrid linear-attention families: tests/models/test_hybrid.py (their packed reference is not HF's packed forward).
+TEXT_FAMILIES = {name: family for name, family in FAMILIES.items() if family.causal_lm and not family.linear_attention}
 # Families whose decoder layers run the residual add fused into the norm after it (add_rms_norm). Phi-3 (dropout on
 # the residual branch) and GPT-OSS (its own RMSNorm) keep HF's layer forward; so do, on transformers 4.x, the layers
 # whose body differs there (MoE outputs unpacked from tuples, tuples returned, Mixtral's `block_sparse_moe`).

@@ -187,6 +187,10 @@ def check_context_parallel(hf_model: nn.Module, ulysses: int, vision: bool = Fal
         raise ValueError(f"parallel.cp_vision=true: {config.model_type} has no Qwen-VL vision tower "
                          "(`model.visual`) to share over the cp ranks; valid choices: parallel.cp_vision=false")
     text = getattr(config, "get_text_config", lambda: config)()
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        raise ValueError(f"parallel.cp: {text.model_type} has Gated DeltaNet linear-attention layers, whose recurrent "
+                         "state runs through the whole sequence and is not yet passed from cp rank to cp rank; valid "
+                         "choices: parallel.cp=1 (dp_shard and ep work)")
     heads = getattr(text, "num_attention_heads", None)
     if heads is None:
         raise ValueError(f"parallel.cp: model type {text.model_type!r} has no num_attention_heads; context "
