@@ -186,6 +186,23 @@ def flag() -> Kind:
     return Kind("true or false", lambda where, value: parse_flag(value, where), (("nargs", "?"), ("const", True)))
 
 
+def positive_number() -> Kind:
+    """A number > 0 (an int or a float; as text, its decimal or exponent form)."""
+
+    def check(where: str, value: Any) -> float:
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value.strip())
+            except ValueError:
+                number = None
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not number > 0:
+            raise ValueError(f"{where}={value!r} must be a number > 0")
+        return float(number)
+
+    return Kind("a number > 0", check, argument=float)
+
+
 def non_negative_int(unit: str = "") -> Kind:
     """An integer >= 0 (as text: its digits); `unit` names what it counts, in the error."""
 

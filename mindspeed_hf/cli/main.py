@@ -1,4 +1,4 @@
-"""The `mindspeed-hf` command: `train [CONFIG.yaml] [--key value ...]`, `env`, `bench [CONFIG.yaml]`, `export`.
+"""The `mindspeed-hf` command: `train [CONFIG.yaml] [--key value ...]`, `env`, `bench [CONFIG.yaml]`, `moe`, `export`.
 
 Any option `train` does not know itself is a TrainingArguments override (`--output_dir DIR --max_steps 5`).
 The config path is taken by hand rather than as an argparse positional: argparse would otherwise take the value
@@ -31,6 +31,10 @@ commands:
         then one counted step of each (aten ops, torch_npu calls, saved bytes, largest tensor); --profile: a
         chrome trace of a few accelerated steps and the top operators; --plot: a chart (needs the [plot] extra);
         --memory: the memory report of the run instead
+  moe   OUTPUT_DIR [--plot FILE.png]
+        the expert load of a Trainer run on a MoE model (OUTPUT_DIR/moe_load.jsonl): per layer, the busiest expert
+        over the mean at the first and last logged interval and over the run; --plot: the heatmap of each layer's
+        token share per expert, and each layer's imbalance per step (needs the [plot] extra)
   export CHECKPOINT OUT [--merge-lora] [--dtype bf16|fp16|fp32] [--shard-size 5GB] [--push-to-hub ID]
         a checkpoint of any layout (sharded DCP or not; a PEFT run: its adapter, or with --merge-lora the merged
         model) as a Hugging Face directory, in one CPU process, streamed one output file at a time; --push-to-hub
@@ -270,6 +274,25 @@ def cmd_bench(argv: list[str]) -> int:
     return 0
 
 
+def cmd_moe(argv: list[str]) -> int:
+    """`mindspeed-hf moe OUTPUT_DIR`: cli/moe_report.py; errors are one line (exit status 2)."""
+    parser = argparse.ArgumentParser(prog="mindspeed-hf moe", description="the expert load of a MoE Trainer run")
+    parser.add_argument("run_dir", help="the run's output_dir (or its moe_load.jsonl)")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the heatmap (needs matplotlib: [plot])")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    own = parser.parse_args(argv)
+
+    def run() -> int:
+        from .moe_report import plot, summary
+
+        print(summary(own.run_dir))
+        if own.plot:
+            print(f"\nchart: {plot(own.run_dir, own.plot)}")
+        return 0
+
+    return _one_line_errors("moe", own.debug, run)
+
+
 def cmd_export(argv: list[str]) -> int:
     """`mindspeed-hf export CHECKPOINT OUT`: trainers/export.py; errors are one line (exit status 2)."""
     parser = argparse.ArgumentParser(prog="mindspeed-hf export", description="a checkpoint as a Hugging Face model")
@@ -308,9 +331,9 @@ def main(argv: list[str] | None = None) -> int:
             return env_main()
 
         return _one_line_errors("env", "--debug" in rest, env)
-    handlers = {"train": cmd_train, "bench": cmd_bench, "export": cmd_export}
+    handlers = {"train": cmd_train, "bench": cmd_bench, "moe": cmd_moe, "export": cmd_export}
     if command not in handlers:
-        print(f"mindspeed-hf: unknown command {command!r}; choose one of train, env, bench, export\n\n{USAGE}",
+        print(f"mindspeed-hf: unknown command {command!r}; choose one of train, env, bench, moe, export\n\n{USAGE}",
               file=sys.stderr)
         return 2
     return handlers[command](rest)

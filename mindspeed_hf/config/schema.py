@@ -25,6 +25,7 @@ from ..value_kinds import (
     known_keys,
     layer_selection,
     non_negative_int,
+    positive_number,
 )
 
 # Kernel backends (ops.registry dispatches on them). Declared here, with the settings, so that reading a config
@@ -190,6 +191,12 @@ class MoEConfig:
     log_load: bool = _declare(True, boolean(), "log each MoE layer's expert load with the training loss (moe/* keys: "
                               "the busiest expert over the mean, the experts that got no token) on models with fused "
                               "experts (transformers >= 5)")
+    balance: str = _declare("none", choice(("none", "aux_free")), "expert balancing without an auxiliary loss: "
+                            "aux_free chooses each token's experts by router score + a per-expert bias that moves "
+                            "bias_update_rate towards the mean load after every optimizer step (DeepSeek-V3's "
+                            "scheme); none: HF's routing unchanged")
+    bias_update_rate: float = _declare(1e-3, positive_number(), "how far each expert's bias moves per optimizer step "
+                                       "under balance: aux_free (towards the layer's mean load)")
 
     def __post_init__(self) -> None:
         _check_fields(self, "moe")

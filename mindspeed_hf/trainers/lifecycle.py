@@ -5,7 +5,7 @@ at each point of its life. wiring.py calls these from Trainer's own methods; not
   parallel plan read from every source of the request - before anything is patched or built;
 - `prepare_model` (before Trainer sees the model): kernels attached, then `parallel.parallelize` (recompute, the mesh
   and each axis's step);
-- `after_init`: the checks that need Trainer's own state;
+- `after_init`: the checks that need Trainer's own state, and the step callback of `moe.balance`;
 - `during_train` (around train()): Liger's patching kept off a model we accelerate, and the kernels watched.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from ..parallel.parallelize import ParallelizeOptions, parallelize
 from ..patches import apply, scope
 from . import deepspeed, export_background, frameworks, fsdp, seams
 from .fsdp_plan import release_ddp_notice
+from .moe_balance import AuxFreeBalance, BalanceCallback
 from .moe_load import ExpertLoad
 from .run import Run, attach, resolve_config, run_of
 
@@ -67,9 +69,13 @@ def prepare_model(trainer: Any, model: nn.Module) -> nn.Module:
                                  broadcast_from_rank0=bool(run.plan and run.plan.cpu_ram_efficient_loading))
     model = parallelize(model, dims, run.config, options)
     absorb_hf_checkpointing(model, run.args, run.config.memory)  # applied: Trainer.train must not again
-    if run.moe_load is not None:  # a model given again (model_init's re-init at train())
-        run.moe_load.remove()
-    run.moe_load = ExpertLoad.attach(model) if run.config.moe.log_load else None
+    for previous in (run.moe_load, run.moe_balance):  # a model given again (model_init's re-init at train())
+        if previous is not None:
+            previous.remove()
+    history = (os.path.join(run.args.output_dir, ExpertLoad.HISTORY)
+               if getattr(run.args, "process_index", 0) == 0 and getattr(run.args, "output_dir", None) else None)
+    run.moe_load = ExpertLoad.attach(model, history) if run.config.moe.log_load else None
+    run.moe_balance = AuxFreeBalance.attach(model, run.config)
     if dims is not None:
         fsdp.log_sharded(run)
     return model
@@ -94,9 +100,13 @@ def is_accelerated(trainer: Any) -> bool:
 
 def after_init(trainer: Any) -> None:
     """Checks once Trainer.__init__ is done: FSDP2 takeover; the fine-tuning framework driving the trainer and any
-    of its kernel options that replaced ours (one line); say once that Liger's patching is off for our model."""
+    of its kernel options that replaced ours (one line); say once that Liger's patching is off for our model; with
+    moe.balance on, the callback that updates the expert biases after every optimizer step."""
     fsdp.check_after_init(trainer)
     frameworks.log_once(trainer, logger)
+    run = run_of(trainer)
+    if run.config.moe.balance != "none":  # the biases move after every optimizer step
+        trainer.add_callback(BalanceCallback(lambda: run.moe_balance))
     if getattr(trainer.args, "use_liger_kernel", False) and is_accelerated(trainer):
         logger.warning(
             "mindspeed_hf: use_liger_kernel=True, but mindspeed_hf already accelerates this model; Liger's "

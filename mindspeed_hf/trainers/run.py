@@ -17,6 +17,7 @@ from ..parallel.dims import ParallelDims
 from ..parallel.plan import ParallelPlan
 from ..patches import apply
 from .export_background import BackgroundExport
+from .moe_balance import AuxFreeBalance
 from .moe_load import ExpertLoad
 
 __all__ = ["Run", "resolve_config", "run_of"]
@@ -40,6 +41,8 @@ class Run:
         "help": "inside Trainer's checkpoint save: None until save_model names the directory, then it; else False"})
     moe_load: ExpertLoad | None = field(default=None, metadata={
         "help": "the model's MoE expert-load counters (moe.log_load), read when Trainer logs the loss"})
+    moe_balance: AuxFreeBalance | None = field(default=None, metadata={
+        "help": "the model's auxiliary-loss-free expert biases (moe.balance=aux_free), updated after each step"})
     export: BackgroundExport | None = field(default=None, metadata={
         "help": "the background export of the last checkpoint saved (checkpoints.export_hf), until waited for"})
 

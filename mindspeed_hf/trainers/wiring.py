@@ -130,7 +130,8 @@ def _wrap_log(original: Callable) -> Callable:
     @functools.wraps(original)
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         run = run_of(self)
-        return original(self, moe_load.with_load(logs, run.moe_load if run else None), *args, **kwargs)
+        load = run.moe_load if run else None
+        return original(self, moe_load.with_load(logs, load, self.state.global_step), *args, **kwargs)
 
     return log
 

@@ -98,7 +98,7 @@ def native(world, root) -> dict:
 #: the other MoE families of tests/tiny_models.py EP shards (gpt_oss: refused, see `errors`); qwen2_moe without its
 #: aux loss in the sum (a per-rank aux loss is not the global batch's; router_outputs compares it per rank)
 FAMILIES = {"qwen2_moe": {"output_router_logits": False}, "olmoe": {}, "deepseek_v3": {}, "glm4_moe": {},
-            "ernie4_5_moe": {}}
+            "ernie4_5_moe": {}, "qwen3_next": {}, "qwen3_5_moe_text": {}}
 NPU_OPS = ("npu_grouped_matmul", "npu_moe_token_permute", "npu_moe_token_unpermute")
 
 

@@ -1,7 +1,8 @@
 """Expert parallelism under torchrun (gloo, CPU, fp32) against plain Hugging Face in one process.
 
 Launches (expert_worker.py): `two` (2 ranks: every MoE family of tiny_models.py EP applies to at ep=2 (qwen3_moe,
-mixtral, qwen2_moe, olmoe, deepseek_v3, glm4_moe, ernie4_5_moe; gpt_oss's refusal), the NPU path (stand-in, ops
+mixtral, qwen2_moe, olmoe, deepseek_v3, glm4_moe, ernie4_5_moe, the hybrid qwen3_next and qwen3_5_moe_text; gpt_oss's
+refusal), the NPU path (stand-in, ops
 counted), a model loaded with transformers' own EP adopted (and the refusals), gradient accumulation 2 with selective
 recompute of the MoE block (backward reruns the token exchange), DCP resume into ep=2 and ep=1, a forced
 imbalanced router, a rank that receives no token, LoRA on the attention and on the expert weights themselves (PEFT
@@ -60,7 +61,8 @@ def _assert_parity(r: dict) -> None:
 
 @needs_fused
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe",
-                                  "ernie4_5_moe", "npu", "accum", "imbalanced", "zero_rank", "lora", "lora_experts"])
+                                  "ernie4_5_moe", "qwen3_next", "qwen3_5_moe_text", "npu", "accum", "imbalanced",
+                                  "zero_rank", "lora", "lora_experts"])
 def test_ep2_matches_one_process(two, case):
     r = two[case]
     _assert_parity(r)

@@ -137,7 +137,7 @@ def test_models_built_while_enabled_use_kernels_and_survive_disable():
     assert model.config._attn_implementation == "mindspeed"
     counts = mindspeed_hf.report(model)["kernels"]
     assert counts == {"rms_norm": 9, "rope": 2, "swiglu": 2, "attention": 2, "fused_linear_cross_entropy": 1,
-                      "experts": 0}
+                      "experts": 0, "linear_attention": 0}
     mindspeed_hf.disable()
     assert model.config._attn_implementation == "sdpa"
     model(**padded_batch())  # still runs, unaccelerated

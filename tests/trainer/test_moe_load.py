@@ -5,12 +5,15 @@ nothing and no hook."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tiny_models import tiny_model
 from transformers import Trainer, TrainingArguments
 
 import mindspeed_hf
+from mindspeed_hf.cli.bench_plot import matplotlib_available
 from mindspeed_hf.config import config_from_dict
 
 FIVE = int(__import__("transformers").__version__.split(".")[0]) >= 5
@@ -112,3 +115,37 @@ def test_a_log_written_outside_the_training_loop_is_left_alone(tmp_path):
     assert not any(k.startswith("moe/") for k in trainer.state.log_history[-1])
     trainer.log({"loss": 1.0, "learning_rate": 0.1})
     assert trainer.state.log_history[-1]["moe/routed_per_layer"] == 2 * 12 * 2  # the counts were kept until then
+
+
+@pytest.mark.skipif(not FIVE, reason="fused experts modules: transformers >= 5")
+def test_the_history_file_and_the_moe_command(tmp_path, capsys):
+    """Each logged interval's tokens per expert go to OUTPUT_DIR/moe_load.jsonl (the same counts the moe/* keys come
+    from); `mindspeed-hf moe OUTPUT_DIR` tabulates them and --plot draws the heatmap; a directory without the file is
+    a one-line error."""
+    from mindspeed_hf.cli.main import main
+
+    mindspeed_hf.enable()
+    model = tiny_model("qwen3_moe")
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
+                             report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=_rows())
+    trainer.train()
+    lines = [json.loads(line) for line in (tmp_path / "moe_load.jsonl").read_text().splitlines()]
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert [line["step"] for line in lines] == [h["step"] for h in logged] == [1, 2, 3]
+    for line, log in zip(lines, logged):
+        tokens = torch.tensor(line["tokens"], dtype=torch.float)
+        assert tokens.shape == (len(_routers(model)), model.config.num_experts)
+        assert tokens.sum(1).tolist() == [4 * 12 * model.config.num_experts_per_tok] * len(_routers(model))
+        assert (tokens.max(1).values / tokens.mean(1)).tolist() == pytest.approx(
+            [log[f"moe/layer_{i}/imbalance"] for i in range(tokens.shape[0])], abs=1e-4)
+    capsys.readouterr()
+    chart = tmp_path / "heat.png"
+    plot = ["--plot", str(chart)] if matplotlib_available() else []
+    assert main(["moe", str(tmp_path), *plot]) == 0
+    out = capsys.readouterr().out
+    assert "expert load over 3 logged interval(s), steps 1..3" in out and "| 1 |" in out
+    assert not plot or chart.stat().st_size > 0
+    assert main(["moe", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "moe_load.jsonl" in err and "\n" not in err
