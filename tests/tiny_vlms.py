@@ -43,6 +43,15 @@ def _qwen_vl(model_type: str) -> dict:
         vision = {**_VISION, "window_size": 16, "fullatt_block_indexes": [1], "hidden_act": "silu"}
         return dict(text_config={**_TEXT, **_mrope()}, vision_config=vision, **_IDS)
     text = {**_TEXT, "head_dim": 16, **_mrope(interleaved=True)}
+    if model_type in HYBRID_VL:  # Gated DeltaNet + gated full attention; partial rope (head_dim 16, 4 rotated)
+        text.update(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                    linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+        text["rope_parameters"] = {**text["rope_parameters"], "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2]}
+        vision = {**_VISION, "num_position_embeddings": 64, "hidden_act": "gelu_pytorch_tanh"}
+        if model_type == "qwen3_5_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48)
+        return dict(text_config=text, vision_config=vision, **_IDS)
     if model_type == "qwen3_vl_moe":
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
     vision = {**_VISION, "num_position_embeddings": 64, "deepstack_visual_indexes": [0],
@@ -66,7 +75,8 @@ def _internvl() -> dict:
                 vision_feature_layer=-1, vision_feature_select_strategy="default")
 
 
-QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+HYBRID_VL = ("qwen3_5", "qwen3_5_moe")  # transformers >= 5.x only; their packed reference: tests/models/test_hybrid.py
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", *HYBRID_VL)
 VLM_TYPES = (*QWEN_VL, "llava", "internvl")
 # Image tokens per image for the fixed-size towers (llava: 16 patches + CLS; internvl: 16 patches shuffled by 0.5^2).
 _FIXED_TOKENS = {"llava": 17, "internvl": 4}
@@ -159,9 +169,9 @@ _PATCH = 3 * 2 * 4 * 4  # in_channels * temporal_patch_size * patch_size^2
 
 def _video_tokens(model_type: str, grid: tuple[int, int, int], gen: torch.Generator) -> list[int]:
     """A video's placeholder tokens: one run (Qwen2-VL, Qwen2.5-VL), or one run per temporal patch after a
-    timestamp text token (Qwen3-VL's processor)."""
+    timestamp text token (Qwen3-VL's and Qwen3.5's processors)."""
     t, h, w = grid
-    if model_type.startswith("qwen3_vl"):
+    if model_type.startswith(("qwen3_vl", "qwen3_5")):
         frame = [START] + [VIDEO] * (h * w // 4) + [END]
         return [token for _ in range(t) for token in [int(torch.randint(3, 240, (1,), generator=gen)), *frame]]
     return [START] + [VIDEO] * (t * h * w // 4) + [END]

@@ -77,13 +77,15 @@ def _vlm(model_type: str, prefix: str, **overrides) -> ModelFamily:
     return _dense(model_type, prefix, **entry)
 
 
+def _linear_layers(prefix: str, text_model: str) -> dict:
+    """The fields of a hybrid linear-attention model: Gated DeltaNet layers (XGatedDeltaNet, XRMSNormGated) among
+    gated full-attention layers, offset RMSNorm (x * (1 + w)), partial rope."""
+    return dict(offset_rms_norm=True, linear_attention=f"{prefix}GatedDeltaNet", attention_interface=True,
+                gated_rms_norm=f"{prefix}RMSNormGated", text_models=(text_model,))
+
+
 def _hybrid(model_type: str, prefix: str, text_model: str, **overrides) -> ModelFamily:
-    """A hybrid linear-attention entry: Gated DeltaNet layers (XGatedDeltaNet, XRMSNormGated) among gated full
-    attention layers, offset RMSNorm (x * (1 + w)), partial rope."""
-    entry = dict(offset_rms_norm=True, linear_attention=f"{prefix}GatedDeltaNet", attention_interface=True,
-                 gated_rms_norm=f"{prefix}RMSNormGated", text_models=(text_model,))
-    entry.update(overrides)
-    return _dense(model_type, prefix, **entry)
+    return _dense(model_type, prefix, **{**_linear_layers(prefix, text_model), **overrides})
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -139,6 +141,11 @@ FAMILIES: dict[str, ModelFamily] = {
         _vlm("qwen3_vl_moe", "Qwen3VLMoe", attention="Qwen3VLMoeTextAttention", rms_norm=("Qwen3VLMoeTextRMSNorm",),
              swiglu_mlp=("Qwen3VLMoeTextMLP",), experts=("Qwen3VLMoeTextExperts",),
              vision_model="Qwen3VLMoeVisionModel"),
+        # Qwen3.5 (-MoE): the hybrid text models above under a Qwen3-VL-style vision tower (no deepstack)
+        _vlm("qwen3_5", "Qwen3_5", swiglu_mlp=("Qwen3_5MLP",), vision_model="Qwen3_5VisionModel",
+             **_linear_layers("Qwen3_5", "Qwen3_5TextModel")),
+        _vlm("qwen3_5_moe", "Qwen3_5Moe", swiglu_mlp=("Qwen3_5MoeMLP",), experts=("Qwen3_5MoeExperts",),
+             vision_model="Qwen3_5MoeVisionModel", **_linear_layers("Qwen3_5Moe", "Qwen3_5MoeTextModel")),
         _vlm("llava", "Llava", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,
              vision_attention=(), text_from_config=True),
         _vlm("internvl", "InternVL", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,
