@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import masking_utils
 
+from .. import compat
 from ..ops import varlen
 from ..ops.linear_attention import chunk_gated_delta_rule
 from ..ops.rms_norm import rms_norm
@@ -39,6 +40,8 @@ PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k
 
 # The packed documents of each text model forward that is running (innermost last).
 _running: list[varlen.VarlenInfo] = []
+# A linear layer's documents of its last forward, for its recompute in backward (the text model's forward is over).
+_DOCUMENTS = "_mindspeed_documents"
 
 
 def _packed_documents(arguments: dict[str, Any]) -> varlen.VarlenInfo | None:
@@ -79,13 +82,17 @@ def text_model_forward(original: Callable) -> Callable:
 
 
 def gated_delta_net_forward(original: Callable) -> Callable:
-    """XGatedDeltaNet.forward: inside a packed forward, HF's forward over the documents as right-padded rows."""
+    """XGatedDeltaNet.forward: inside a packed forward, HF's forward over the documents as right-padded rows (and
+    so again when recompute reruns it in backward)."""
     signature = inspect.signature(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         bound, arguments = bind(signature, self, *args, **kwargs)
         hidden = arguments["hidden_states"]
-        documents = _running[-1] if _running else None
+        if compat.current_autograd_node() is not None:  # recomputed in backward: the documents its forward had
+            documents = vars(self).get(_DOCUMENTS)
+        else:
+            documents = self.__dict__[_DOCUMENTS] = _running[-1] if _running else None
         if documents is None or documents.total != hidden.shape[0] * hidden.shape[1]:
             return original(self, *args, **kwargs)
         rows = varlen.document_rows(documents, hidden.device)

@@ -16,7 +16,7 @@ from tiny_models import HYBRID_CONFIGS, VOCAB, assert_close_grads, loss_and_grad
 import mindspeed_hf
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.ops import linear_attention as ops
-from mindspeed_hf.patches import FAMILIES
+from mindspeed_hf.patches import FAMILIES, experts
 
 
 def _installed(model_type: str) -> bool:
@@ -183,3 +183,57 @@ def test_fla_call_contract(monkeypatch):
         assert ops.fla_available()
     finally:
         ops.fla_available.cache_clear()
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_lora_on_the_linear_attention_and_the_experts(model_type, backend):
+    """PEFT LoRA on every projection (the Gated DeltaNet's in/out projections too) and, on the MoE ones, on the
+    fused expert weights (target_parameters): loss and adapter gradients equal the unpatched PEFT model's."""
+    from peft import LoraConfig, get_peft_model
+
+    fused = "num_experts" in HYBRID_CONFIGS[model_type] and experts.available()  # 3-D experts: transformers >= 5.10
+    extra = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]} if fused else {}
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False,
+                      **extra)
+    batches = _batches()
+    expected = {name: loss_and_grads(get_peft_model(tiny_model(model_type), lora), batch)
+                for name, batch in batches.items() if name != "packed"}
+    expected["packed"] = expected["right_padded"]
+    model = get_peft_model(tiny_model(model_type), lora)
+    assert any("linear_attn.in_proj" in name and "lora_A" in name for name, _ in model.named_parameters())
+    mindspeed_hf.enable(config_from_dict({"backend": backend}))
+    assert mindspeed_hf.apply_to_model(model)["kernels"]["linear_attention"] == _layers(model, "linear_attention")
+    for name, batch in batches.items():
+        loss, grads = loss_and_grads(model, batch)
+        assert grads and all("lora_" in n for n in grads)
+        torch.testing.assert_close(loss, expected[name][0], atol=1e-5, rtol=1e-5, msg=name)
+        assert_close_grads(expected[name][1], grads)
+
+
+MEMORY = {"full": {"recompute": "full"}, "selective": {"recompute": "selective"},
+          "offload+selective": {"recompute": "selective", "offload_activations": True, "offload_min_bytes": 0}}
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_recompute_and_offload_are_bitwise_equal(model_type):
+    """memory.recompute (full, selective) and activation offload on the hybrid layers: loss and every gradient
+    bitwise equal to the same accelerated model without them, padded and packed."""
+    from test_selective_recompute import _assert_bitwise, _loss_and_grads
+
+    from mindspeed_hf.parallel.parallelize import parallelize
+
+    def prepared(memory: dict | None):
+        model = tiny_model(model_type).train()
+        config = config_from_dict({"memory": memory or {}})
+        mindspeed_hf.enable()
+        mindspeed_hf.apply_to_model(model, config)
+        return parallelize(model, None, config)
+
+    for name, batch in _batches().items():
+        if name == "left_padded":
+            continue
+        expected = _loss_and_grads(prepared(None), batch)
+        for mode, memory in MEMORY.items():
+            got = _loss_and_grads(prepared(memory), batch)
+            assert got[1], mode
+            _assert_bitwise(expected, got)
