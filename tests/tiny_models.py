@@ -79,6 +79,29 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
     return model.float()
 
 
+def skewed_moe_model(seed: int = 4) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A training-mode tiny qwen3_moe whose routers give expert 0 most of every token's probability (a shared
+    component added to every token's embedding, each router's expert-0 row turned towards the mean of its inputs),
+    and the batch it was skewed on: every token of it picks expert 0 (aux-free balancing's test and benchmark)."""
+    model = tiny_model("qwen3_moe", seed=seed).train()
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    ids = torch.randint(2, 120, (16, 12), generator=torch.Generator().manual_seed(0))
+    inputs: list[torch.Tensor] = []
+    handles = [r.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, a[0].shape[-1])))
+               for r in routers]
+    with torch.no_grad():
+        shared = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(9))
+        embed = model.model.embed_tokens.weight
+        embed += 0.5 * shared / shared.norm() * embed.norm(dim=1).mean()
+        model(input_ids=ids)
+        for router, seen in zip(routers, inputs):
+            mean = seen.mean(0) / seen.mean(0).norm()
+            router.weight[0] += 2.0 * mean / (seen @ mean).mean()
+    for handle in handles:
+        handle.remove()
+    return model, ids
+
+
 def padded_batch(batch: int = 3, seq: int = 19, left: bool = False, seed: int = 1) -> dict[str, torch.Tensor]:
     """Uneven lengths padded right (or left); labels -100 on pads."""
     gen = torch.Generator().manual_seed(seed)

@@ -12,6 +12,7 @@ import argparse
 import copy
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -358,7 +359,8 @@ def _expected_load(seen: list[torch.Tensor], config, accum: int) -> list[dict[st
 
 def scenario_trainer(root: str, per_device: int, native: bool = False) -> dict:
     """Plain transformers.Trainer: one process without mindspeed_hf (the reference, per_device = the global batch),
-    or under torchrun with EP from MINDSPEED_HF_CONFIG (`import mindspeed_hf`, nothing else changed), or (`native`)
+    or under torchrun with EP from MINDSPEED_HF_CONFIG (`import mindspeed_hf`, nothing else changed; the family from
+    MOE_FAMILY, default qwen3_moe), or (`native`)
     on a model loaded with transformers' own EP, our FSDP2 asked for by MINDSPEED_HF_CONFIG too: adopted."""
     from trainer_worker import run, targs
     from transformers import Trainer, TrainingArguments
@@ -368,7 +370,7 @@ def scenario_trainer(root: str, per_device: int, native: bool = False) -> dict:
     handler.emit = lambda record: logged.append(record.getMessage())
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    model = native_model(root) if native else tiny_model("qwen3_moe")
+    model = native_model(root) if native else tiny_model(os.environ.get("MOE_FAMILY", "qwen3_moe"))
     routed = _router_ids(model)  # an independent count: every router's own output, on every rank
     trainer, out = run(Trainer, model, args)
     out["fsdp_log"] = [line for line in logged if "FSDP2 on" in line]

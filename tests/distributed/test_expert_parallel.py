@@ -123,10 +123,10 @@ def trainer_ref(root) -> dict:
     return _launch("trainer_ref", root)
 
 
-def _trainer_run(root: Path, scenario: str, yaml: str) -> dict:
+def _trainer_run(root: Path, scenario: str, yaml: str, **env: str) -> dict:
     config = root / f"{scenario}.yaml"  # the kernels stay on: the whole drop-in (fused loss on the sharded lm_head)
     config.write_text(yaml)
-    got = _launch(scenario, root, MINDSPEED_HF_AUTO="1", MINDSPEED_HF_CONFIG=str(config))
+    got = _launch(scenario, root, MINDSPEED_HF_AUTO="1", MINDSPEED_HF_CONFIG=str(config), **env)
     assert len(got["losses"]) == 3 and len(got["fsdp_log"]) == 1, got
     assert got["export_shapes_ok"] and got["export_max_diff"] == 0.0  # save_model: global [E, ...] tensors
     return got
@@ -152,6 +152,16 @@ def test_plain_trainer_with_ep_from_yaml(root, trainer_ref):
     assert len(got["moe"]) == len(got["moe_expected"]) == 3
     for logged, want in zip(got["moe"], got["moe_expected"]):
         assert {k: logged[k] for k in want} == pytest.approx(want, abs=1e-4), (logged, want)
+
+
+@needs_fused
+def test_plain_trainer_with_ep_on_a_hybrid_linear_attention_model(tmp_path):
+    """Qwen3.5-MoE's text model (Gated DeltaNet + gated attention layers, shared expert): dp_shard 2 x ep 2 from
+    MINDSPEED_HF_CONFIG under a plain Trainer equals one process of plain HF on the global batch."""
+    ref = _launch("trainer_ref", tmp_path, MOE_FAMILY="qwen3_5_moe_text")
+    got = _trainer_run(tmp_path, "trainer", "parallel: {ep: 2}\n", MOE_FAMILY="qwen3_5_moe_text")
+    assert got["ep_modules"] == 4 and "dp_replicate=1 dp_shard=2 ep=2 (efsdp=1)," in got["fsdp_log"][0], got
+    _assert_trainer_parity(got, ref)
 
 
 @needs_fused

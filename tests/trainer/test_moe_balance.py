@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import assert_close_grads, loss_and_grads, padded_batch, tiny_model
+from tiny_models import assert_close_grads, loss_and_grads, padded_batch, skewed_moe_model, tiny_model
 from transformers import Trainer, TrainingArguments
 
 import mindspeed_hf
@@ -90,31 +90,10 @@ def test_gpt_oss_router_is_refused_in_one_line():
     assert "\n" not in str(error.value)
 
 
-def _imbalanced_model():
-    """A qwen3_moe whose routers give expert 0 most of every token's probability (a shared component added to every
-    token's embedding, and each router's expert-0 row turned towards the mean of its inputs): every token picks it."""
-    model = tiny_model("qwen3_moe", seed=4).train()
-    ids = torch.randint(2, 120, (16, 12), generator=torch.Generator().manual_seed(0))
-    inputs: list[torch.Tensor] = []
-    handles = [r.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, a[0].shape[-1])))
-               for r in _routers(model)]
-    with torch.no_grad():
-        shared = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(9))
-        embed = model.model.embed_tokens.weight
-        embed += 0.5 * shared / shared.norm() * embed.norm(dim=1).mean()
-        model(input_ids=ids)
-        for router, seen in zip(_routers(model), inputs):
-            mean = seen.mean(0) / seen.mean(0).norm()
-            router.weight[0] += 2.0 * mean / (seen @ mean).mean()
-    for handle in handles:
-        handle.remove()
-    return model, ids
-
-
 def _imbalance_per_step(balance_config: dict, steps: int = 30) -> list[float]:
     from mindspeed_hf.trainers.moe_load import ExpertLoad
 
-    model, ids = _imbalanced_model()
+    model, ids = skewed_moe_model()
     balance = AuxFreeBalance.attach(model, config_from_dict(balance_config))
     load, out = ExpertLoad(model), []
     for _ in range(steps):
