@@ -90,7 +90,7 @@ def test_gpt_oss_router_is_refused_in_one_line():
     assert "\n" not in str(error.value)
 
 
-def _imbalance_per_step(balance_config: dict, steps: int = 30) -> list[float]:
+def _imbalance_per_step(balance_config: dict, steps: int = 20) -> list[float]:
     from mindspeed_hf.trainers.moe_load import ExpertLoad
 
     model, ids = skewed_moe_model()
@@ -108,7 +108,7 @@ def _imbalance_per_step(balance_config: dict, steps: int = 30) -> list[float]:
 
 def test_the_biases_even_out_an_imbalanced_router():
     plain = _imbalance_per_step({})
-    balanced = _imbalance_per_step({"moe": {"balance": "aux_free", "bias_update_rate": 0.01}})
+    balanced = _imbalance_per_step({"moe": {"balance": "aux_free", "bias_update_rate": 0.02}})
     assert min(plain) > 1.95 and balanced[0] == plain[0]  # every token on expert 0; the biases start at zero
     assert balanced[-1] < 0.9 * plain[-1] and balanced[-1] < balanced[len(balanced) // 2], (plain, balanced)
 
