@@ -153,39 +153,80 @@ def pad(x: torch.Tensor, info: VarlenInfo, batch: int, seq: int) -> torch.Tensor
     return x.reshape(batch, seq, *x.shape[1:])
 
 
+# A group of packed documents run as one batch of rows wastes at most this share of its positions on padding.
+MAX_PADDING = 0.25
+
+
 @dataclass(frozen=True)
 class DocumentRows:
-    """Packed documents laid out as right-padded rows: `index` [T] is where each token of the flattened packed batch
-    goes in the flattened [rows, longest] layout, `mask` [rows, longest] is 1 at the real tokens (HF's 2-D
-    attention mask for the rows)."""
+    """One group of packed documents laid out as right-padded rows, one document per row: `tokens` are the group's
+    positions in the flattened packed batch, `index` where each goes in the flattened [rows, longest] layout, `mask`
+    [rows, longest] is 1 at the real tokens (HF's 2-D attention mask for the rows)."""
 
+    tokens: torch.Tensor
     index: torch.Tensor
     mask: torch.Tensor
 
-    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, S, ...] packed -> [rows, longest, ...] (zeros after each document); differentiable."""
-        flat = x.reshape(-1, *x.shape[2:])
-        rows = flat.new_zeros(self.mask.numel(), *x.shape[2:]).index_copy(0, self.index, flat)
-        return rows.reshape(*self.mask.shape, *x.shape[2:])
+    def to_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """[T, ...] packed tokens -> [rows, longest, ...] (zeros after each document); differentiable."""
+        rows = flat.new_zeros(self.mask.numel(), *flat.shape[1:])
+        rows = rows.index_copy(0, self.index, flat.index_select(0, self.tokens))
+        return rows.reshape(*self.mask.shape, *flat.shape[1:])
 
-    def from_rows(self, y: torch.Tensor, batch: int) -> torch.Tensor:
-        """[rows, longest, ...] -> [batch, S, ...] packed (the padding dropped); differentiable."""
-        flat = y.reshape(-1, *y.shape[2:]).index_select(0, self.index)
-        return flat.reshape(batch, -1, *y.shape[2:])
+    def real(self, y: torch.Tensor) -> torch.Tensor:
+        """[rows, longest, ...] -> the group's tokens [n, ...], in `tokens` order; differentiable."""
+        return y.reshape(-1, *y.shape[2:]).index_select(0, self.index)
 
 
-def document_rows(info: VarlenInfo, device: torch.device | str) -> DocumentRows:
-    """The rows layout of `info`'s sequences (one row each, in order), memoised per layout and device."""
-    return _document_rows(info.cu_seqlens, str(device))
+@dataclass(frozen=True)
+class DocumentLayout:
+    """Packed documents as groups of right-padded rows (documents of similar length together, so that no group
+    wastes more than MAX_PADDING of its positions), and `order`: each packed token's row in the groups' real
+    outputs laid end to end."""
+
+    groups: tuple[DocumentRows, ...]
+    order: torch.Tensor
+
+    def join(self, outputs: list[torch.Tensor], batch: int) -> torch.Tensor:
+        """The groups' outputs ([rows, longest, ...] each) back into the packed [batch, S, ...]; differentiable."""
+        flat = torch.cat([group.real(y) for group, y in zip(self.groups, outputs)]).index_select(0, self.order)
+        return flat.reshape(batch, -1, *flat.shape[1:])
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Documents (by index) grouped longest first; a group closes when the next document would make more than
+    MAX_PADDING of the group's positions (documents x its longest) padding."""
+    groups: list[list[int]] = []
+    total = 0
+    for doc in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        group = groups[-1] if groups else None
+        if group is None or (len(group) + 1) * lengths[group[0]] * (1 - MAX_PADDING) > total + lengths[doc]:
+            groups.append([doc])
+            total = lengths[doc]
+        else:
+            group.append(doc)
+            total += lengths[doc]
+    return groups
+
+
+def document_layout(info: VarlenInfo, device: torch.device | str) -> DocumentLayout:
+    """The rows layout of `info`'s sequences (each one row, grouped by length_groups), memoised per layout."""
+    return _document_layout(info.cu_seqlens, str(device))
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _document_rows(cu_seqlens: tuple[int, ...], device: str) -> DocumentRows:
+def _document_layout(cu_seqlens: tuple[int, ...], device: str) -> DocumentLayout:
     starts = (0, *cu_seqlens[:-1])
-    lengths = torch.tensor([end - start for start, end in zip(starts, cu_seqlens)], device=device)
-    longest = int(lengths.max()) if len(cu_seqlens) else 0
-    row = torch.repeat_interleave(torch.arange(len(cu_seqlens), device=device), lengths)
-    offset = torch.arange(int(lengths.sum()), device=device) - torch.tensor(starts, device=device)[row]
-    index = row * longest + offset
-    mask = torch.zeros(len(cu_seqlens) * longest, dtype=torch.long, device=device).index_fill(0, index, 1)
-    return DocumentRows(index, mask.reshape(len(cu_seqlens), longest))
+    lengths = [end - start for start, end in zip(starts, cu_seqlens)]
+    groups, laid = [], []
+    for docs in length_groups(lengths):
+        longest = lengths[docs[0]]
+        tokens = torch.cat([torch.arange(starts[d], cu_seqlens[d], device=device) for d in docs])
+        index = torch.cat([torch.arange(row * longest, row * longest + lengths[d], device=device)
+                           for row, d in enumerate(docs)])
+        mask = torch.zeros(len(docs) * longest, dtype=torch.long, device=device).index_fill(0, index, 1)
+        groups.append(DocumentRows(tokens, index, mask.reshape(len(docs), longest)))
+        laid.append(tokens)
+    order = torch.empty(sum(lengths), dtype=torch.long, device=device)
+    order[torch.cat(laid)] = torch.arange(sum(lengths), device=device)
+    return DocumentLayout(tuple(groups), order)

@@ -10,8 +10,9 @@
   (transformers 5.24, measured: a packed row's loss differs from the same documents as separate rows by ~1e-4 to
   6e-4 on tiny models). Here the text model's forward finds the documents once (HF's own packing rule on the text
   position ids; packed rows get no cache, as everywhere in mindspeed_hf) and every linear layer runs HF's forward on
-  the documents laid out as right-padded rows with their 2-D mask, so each document starts from a zero state and a
-  zero conv window exactly as when it is its own row; the outputs go back into the packed row. The reference for a
+  the documents laid out as right-padded rows with their 2-D mask (documents of similar length in one call, so that
+  padding stays under a quarter of each call: ops/varlen.length_groups), so each document starts from a zero state
+  and a zero conv window exactly as when it is its own row; the outputs go back into the packed row. The reference for a
   packed batch is therefore the documents as separate rows, not HF's packed forward.
 """
 
@@ -82,8 +83,8 @@ def text_model_forward(original: Callable) -> Callable:
 
 
 def gated_delta_net_forward(original: Callable) -> Callable:
-    """XGatedDeltaNet.forward: inside a packed forward, HF's forward over the documents as right-padded rows (and
-    so again when recompute reruns it in backward)."""
+    """XGatedDeltaNet.forward: inside a packed forward, HF's forward over the documents as right-padded rows, one
+    call per group of documents of similar length (and so again when recompute reruns it in backward)."""
     signature = inspect.signature(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -95,12 +96,15 @@ def gated_delta_net_forward(original: Callable) -> Callable:
             documents = self.__dict__[_DOCUMENTS] = _running[-1] if _running else None
         if documents is None or documents.total != hidden.shape[0] * hidden.shape[1]:
             return original(self, *args, **kwargs)
-        rows = varlen.document_rows(documents, hidden.device)
-        bound.arguments["hidden_states"] = rows.to_rows(hidden)
-        bound.arguments["attention_mask"] = rows.mask
         for name in PACKED_KWARGS:
             bound.arguments.get("kwargs", {}).pop(name, None)
-        return rows.from_rows(call_by_name(original, signature, bound), hidden.shape[0])
+        layout = varlen.document_layout(documents, hidden.device)
+        flat, outputs = hidden.reshape(-1, hidden.shape[-1]), []
+        for group in layout.groups:  # documents of similar length together: little padding, few calls
+            bound.arguments["hidden_states"] = group.to_rows(flat)
+            bound.arguments["attention_mask"] = group.mask
+            outputs.append(call_by_name(original, signature, bound))
+        return layout.join(outputs, hidden.shape[0])
 
     return tag("linear_attention", forward)
 

@@ -16,6 +16,7 @@ from tiny_models import HYBRID_CONFIGS, VOCAB, assert_close_grads, loss_and_grad
 import mindspeed_hf
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.ops import linear_attention as ops
+from mindspeed_hf.ops.varlen import length_groups
 from mindspeed_hf.patches import FAMILIES, experts
 
 
@@ -93,7 +94,9 @@ def test_hybrid_parity(model_type, backend, monkeypatch):
     ran = mindspeed_hf.report(model)["ran"]
     layer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
     binds_its_rule = "chunk_gated_delta_rule" in vars(layer)  # transformers < 5.20 binds it when a layer is built
-    assert ran["linear_attention"] == (0 if binds_its_rule else len(batches) * linear)
+    # a packed row runs its documents in groups of similar length: (70, 40) and (25) here, one rule call each
+    groups = len(length_groups(list(LENGTHS)))
+    assert groups == 2 and ran["linear_attention"] == (0 if binds_its_rule else (len(batches) - 1 + groups) * linear)
     assert ran["attention"] == len(batches) * full
     if backend == "npu":
         assert calls["npu_fusion_attention"] == len(batches) * full, calls
@@ -237,3 +240,26 @@ def test_recompute_and_offload_are_bitwise_equal(model_type):
             got = _loss_and_grads(prepared(memory), batch)
             assert got[1], mode
             _assert_bitwise(expected, got)
+
+
+def test_documents_are_grouped_with_little_padding_and_laid_back_exactly():
+    """ops/varlen.document_layout: every document in exactly one group, no group more than a quarter padding, and
+    the packed tokens back in place through the rows (values and gradients)."""
+    from mindspeed_hf.ops import varlen
+
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(20):
+        lengths = torch.randint(1, 90, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+        groups = length_groups(lengths)
+        assert sorted(d for g in groups for d in g) == list(range(len(lengths)))
+        for group in groups:
+            assert sum(lengths[d] for d in group) >= 0.75 * len(group) * max(lengths[d] for d in group)
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        layout = varlen.document_layout(varlen.VarlenInfo(None, tuple(ends), True, ends[-1]), "cpu")
+        x = torch.randn(1, ends[-1], 3, generator=gen, requires_grad=True)
+        rows = [g.to_rows(x.reshape(-1, 3)) for g in layout.groups]
+        assert all(int(g.mask.sum()) == len(g.tokens) for g in layout.groups)
+        back = layout.join([r * 2 for r in rows], 1)
+        torch.testing.assert_close(back, 2 * x, atol=0, rtol=0)
+        back.sum().backward()
+        torch.testing.assert_close(x.grad, torch.full_like(x, 2.0), atol=0, rtol=0)
