@@ -82,7 +82,8 @@ def test_off_adds_nothing(tmp_path):
     assert sum(len(m._forward_pre_hooks) for m in on.model.modules()) > hooks or not FIVE
 
 
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "ernie4_5_moe")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "ernie4_5_moe",
+                "qwen3_next", "qwen3_5_moe_text")
 
 
 @pytest.mark.skipif(not FIVE, reason="fused experts modules: transformers >= 5")
