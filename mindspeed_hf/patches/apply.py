@@ -320,6 +320,7 @@ def report(model: nn.Module) -> dict[str, Any]:
     family = family_of(model)
     counts = dict.fromkeys(_OPS, 0)
     vision = dict.fromkeys(multimodal.VISION_OPS, 0)
+    audio = {"attention": 0}
     kept: dict[str, str] = {}
     layers = 0
     config = scope.config_of(hf_model) if hf_model is not None else None
@@ -327,6 +328,7 @@ def report(model: nn.Module) -> dict[str, Any]:
         module = _modeling(family)
         text_attention = multimodal.text_attention_sites(family, module, hf_model, FAMILIES, _modeling)
         vision_ids, vision_attention, vision_rope = multimodal.vision_sites(family, module, hf_model)
+        audio_ids = multimodal.tower_modules(module, hf_model, family.audio_model)
         mrope = {getattr(module, cls): getattr(getattr(module, fn), "_mindspeed_op", None) == "rope"
                  for cls, fn in family.mrope_attention}
         on = {op: bool(getattr(config.kernels, op)) for op in _OPS}
@@ -345,6 +347,9 @@ def report(model: nn.Module) -> dict[str, Any]:
             if isinstance(sub, vision_attention):  # the tower's: counted apart (report()["vision_kernels"])
                 vision["attention"] += op is not None and on[op] and ours
                 vision["rope"] += vision_rope and on["rope"]
+                continue
+            if id(sub) in audio_ids:  # the Omni audio tower's: report()["audio_kernels"]
+                audio["attention"] += op == "attention" and on[op] and ours
                 continue
             if op == "add_rms_norm" or (op is None and isinstance(sub, tuple(_fused_layers))):  # fused add
                 layers += on["rms_norm"]
@@ -378,6 +383,7 @@ def report(model: nn.Module) -> dict[str, Any]:
             "quantized_linear": quantized.describe(model, device),
             **({"vision_kernels": vision, "vision_attention_implementation": registry.implementation(
                 "vision_attention", device)} if family is not None and family.vision_model else {}),
+            **({"audio_kernels": audio} if family is not None and family.audio_model else {}),
         }
     finally:
         registry.reset_backend(token)
@@ -429,6 +435,8 @@ def _announce(model: nn.Module, result: dict[str, Any]) -> None:
     if "vision_kernels" in result:
         vision = ", ".join(f"{op} x{n}" for op, n in result["vision_kernels"].items() if n) or "nothing"
         line += f"; vision tower: {vision}"
+    if result.get("audio_kernels", {}).get("attention"):
+        line += f"; audio tower: attention x{result['audio_kernels']['attention']}"
     if getattr(model, "_mindspeed_announced", None) != line:
         model._mindspeed_announced = line
         logger.info(line)

@@ -35,6 +35,9 @@ class ModelFamily:
     vision_model: str = ""
     vision_attention: tuple[str, ...] = ()
     vision_rope: bool = False
+    # Omni models: the audio tower's class and its packed-chunk attention classes (one varlen call over all clips)
+    audio_model: str = ""
+    audio_attention: tuple[str, ...] = ()
     # LLaVA / InternVL: the language model is a stock family, the one named by config.text_config.model_type.
     text_from_config: bool = False
     # Hybrid linear attention (Qwen3-Next, Qwen3.5): the XGatedDeltaNet layers, their gated RMSNorm and the text
@@ -146,6 +149,10 @@ FAMILIES: dict[str, ModelFamily] = {
              **_linear_layers("Qwen3_5", "Qwen3_5TextModel")),
         _vlm("qwen3_5_moe", "Qwen3_5Moe", swiglu_mlp=("Qwen3_5MoeMLP",), experts=("Qwen3_5MoeExperts",),
              vision_model="Qwen3_5MoeVisionModel", **_linear_layers("Qwen3_5Moe", "Qwen3_5MoeTextModel")),
+        # Qwen2.5-Omni's thinker: text model, vision tower (separate q/k/v) and Whisper-style audio tower
+        _vlm("qwen2_5_omni_thinker", "Qwen2_5Omni", module="qwen2_5_omni", swiglu_mlp=("Qwen2MLP", "Qwen2_5OmniMLP"),
+             vlm_heads=("Qwen2_5OmniThinkerForConditionalGeneration",), vision_model="Qwen2_5OmniVisionEncoder",
+             audio_model="Qwen2_5OmniAudioEncoder", audio_attention=("Qwen2_5OmniAudioAttention",)),
         _vlm("llava", "Llava", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,
              vision_attention=(), text_from_config=True),
         _vlm("internvl", "InternVL", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,

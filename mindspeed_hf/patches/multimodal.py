@@ -57,11 +57,36 @@ def vision_attention_forward(original: Callable) -> Callable:
             # an explicit attention request ("eager", "flash_attention_2", ...) or cos/sin made inside: HF's code
             return original(self, *args, **kwargs)
         seq = hidden.shape[0]
-        q, k, v = self.qkv(hidden).reshape(seq, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        if hasattr(self, "qkv"):  # one packed projection (Qwen2-VL .. Qwen3-VL)
+            q, k, v = self.qkv(hidden).reshape(seq, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        else:  # three (Qwen2.5-Omni's tower)
+            q, k, v = (getattr(self, name)(hidden).reshape(seq, self.num_heads, -1) for name in ("q", "k", "v"))
         q, k = _modeling_of(self).apply_rotary_pos_emb_vision(q, k, *position_embeddings)
         dropout = self.attention_dropout if self.training else 0.0
         out = vision_attention(q, k, v, cu_seqlens, self.scaling, dropout)
         return self.proj(out.reshape(seq, -1))
+
+    return tag("attention", forward)
+
+
+def audio_attention_forward(original: Callable) -> Callable:
+    """XAudioAttention.forward (Whisper-style encoder of the Omni models) on the packed chunks of every clip: HF cuts
+    each clip into windows and hands the layer all of them with their `cu_seqlens` (its own boundaries); the
+    attention is one varlen call over all of them (HF's non-flash path: one call per window). An explicit
+    attention request, or attention weights asked for, keep HF's code."""
+    signature = inspect.signature(original)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = signature.bind(self, *args, **kwargs).arguments
+        hidden, cu_seqlens = bound["hidden_states"], bound.get("cu_seqlens")
+        if (cu_seqlens is None or compat.attn_implementation(self.config) != ATTENTION_NAME
+                or bound.get("kwargs", {}).get("output_attentions")):
+            return original(self, *args, **kwargs)
+        seq = hidden.shape[0]
+        q, k, v = (getattr(self, f"{name}_proj")(hidden).reshape(seq, self.num_heads, -1) for name in "qkv")
+        dropout = self.attention_dropout if self.training else 0.0
+        out = vision_attention(q, k, v, cu_seqlens, self.scaling, dropout)
+        return self.out_proj(out.reshape(seq, -1))
 
     return tag("attention", forward)
 
@@ -165,7 +190,14 @@ def patch_family(family, module, switch_method: Callable[[Any, str, str, Callabl
         cls = getattr(module, name, None)
         if cls is not None:
             switch_method(cls, "forward", "attention", vision_attention_forward(cls.forward))
-    if family.vision_rope and hasattr(module, "apply_rotary_pos_emb_vision"):
+    for name in family.audio_attention:
+        cls = getattr(module, name, None)
+        # transformers < 5.20's takes an attention mask and returns a tuple: left as it is
+        if cls is not None and "attention_mask" not in inspect.signature(cls.forward).parameters:
+            switch_method(cls, "forward", "attention", audio_attention_forward(cls.forward))
+    rope = getattr(module, "apply_rotary_pos_emb_vision", None)
+    # (q, k, cos, sin); Qwen2.5-Omni before transformers 5.20 rotates one tensor by its freqs: left as it is
+    if family.vision_rope and rope is not None and len(inspect.signature(rope).parameters) >= 4:
         switch_method(module, "apply_rotary_pos_emb_vision", "rope", vision_rope_forward)
     if family.vlm_heads and family.rope and hasattr(module, _SECTIONED_ROPE):
         switch_method(module, _SECTIONED_ROPE, "rope", sectioned_mrope_forward)
@@ -195,10 +227,15 @@ def text_attention_sites(family, module, hf_model: nn.Module, families: dict, mo
     return sites
 
 
+def tower_modules(module, hf_model: nn.Module, tower: str) -> set[int]:
+    """ids of every module inside the model's towers of class `tower` (a name in `module`; none when empty)."""
+    cls = getattr(module, tower, None) if tower else None
+    return vision_modules(hf_model, (cls,)) if cls is not None else set()
+
+
 def vision_sites(family, module, hf_model: nn.Module) -> tuple[set[int], tuple[type, ...], bool]:
     """(ids of the vision tower's modules, its patched attention classes, whether the vision rope is ours)."""
-    tower = getattr(module, family.vision_model, None) if family.vision_model else None
-    ids = vision_modules(hf_model, (tower,)) if tower is not None else set()
+    ids = tower_modules(module, hf_model, family.vision_model)
     attention = tuple(getattr(module, n) for n in family.vision_attention if hasattr(module, n))
     rope = getattr(getattr(module, "apply_rotary_pos_emb_vision", None), "_mindspeed_op", None) == "rope"
     return ids, attention, rope

@@ -160,7 +160,7 @@ def patch_family(family, module, record: Callable[[Any, str, Any], None]) -> Non
     """Wrap the forward of every class of a Qwen-VL family's module that owns get_rope_index (a VLM entry with
     its own vision tower: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe). `record(owner, name, value)` is the
     patch engine's recorded setter, so disable() restores HF's forward."""
-    if not (family.vlm_heads and family.vision_model):
+    if not (family.vlm_heads and family.vision_model) or family.audio_model:  # Omni: audio positions, not here
         return
     for cls in rope_index_owners(module):
         if not getattr(vars(cls).get("forward"), "_mindspeed_packed_positions", False):
