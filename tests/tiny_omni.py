@@ -9,24 +9,54 @@ from tiny_vlms import _TEXT, _VISION, END, IMAGE, START, VLM_VOCAB, _mrope
 
 AUDIO, AUDIO_START, AUDIO_END, VIDEO = 240, 241, 242, 251
 MEL = 16
-FRAMES = (40, 26)  # mel frames per clip: the encoder cuts them into windows of 2 * n_window frames
+FRAMES = (130, 70)  # mel frames per clip: the encoders cut them into windows (16 frames; Qwen3-Omni: 100)
 GRIDS = ((1, 8, 8), (1, 4, 4))  # one image per row
 
 
-def tiny_omni_thinker(seed: int = 0, **overrides):
-    """Qwen2_5OmniThinkerForConditionalGeneration, fp32: 2 text layers (M-RoPE), a 2-block Qwen2.5-VL-style
-    vision tower, a 2-layer audio encoder with 16-frame windows."""
-    from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+OMNI_TYPES = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 
-    vision = {**_VISION, "window_size": 16, "fullatt_block_indexes": [1], "hidden_act": "silu"}
+
+def tiny_omni_thinker(model_type: str = "qwen2_5_omni_thinker", seed: int = 0, **overrides):
+    """A thinker, fp32: 2 text layers (M-RoPE; Qwen3-Omni: MoE, interleaved sections), a 2-block vision tower
+    (Qwen2.5-VL-style; Qwen3-Omni: Qwen3-VL-style with deepstack), a 2-layer audio encoder (Qwen2.5-Omni: 16-frame
+    windows; Qwen3-Omni: its 100-frame chunks)."""
+    import transformers
+
     audio = dict(num_mel_bins=MEL, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
-                 output_dim=_TEXT["hidden_size"], n_window=8, max_source_positions=200)
-    config = Qwen2_5OmniThinkerConfig(
-        text_config={**_TEXT, **_mrope()}, vision_config=vision, audio_config=audio, audio_token_index=AUDIO,
-        image_token_index=IMAGE, video_token_index=VIDEO, audio_start_token_id=AUDIO_START,
-        audio_end_token_id=AUDIO_END, vision_start_token_id=START, vision_end_token_id=END, **overrides)
+                 output_dim=_TEXT["hidden_size"], max_source_positions=200)
+    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+               audio_start_token_id=AUDIO_START)
+    if model_type == "qwen3_omni_moe_thinker":
+        text = {**_TEXT, "head_dim": 16, **_mrope(interleaved=True), "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "decoder_sparse_step": 1}
+        vision = {**_VISION, "num_position_embeddings": 64, "deepstack_visual_indexes": [0],
+                  "hidden_act": "gelu_pytorch_tanh"}
+        audio.update(downsample_hidden_size=16)
+        config = transformers.Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=vision, audio_config=audio,
+                                                        audio_token_id=AUDIO, **ids, **overrides)
+        head = transformers.Qwen3OmniMoeThinkerForConditionalGeneration
+    else:
+        vision = {**_VISION, "window_size": 16, "fullatt_block_indexes": [1], "hidden_act": "silu"}
+        audio.update(n_window=8)
+        config = transformers.Qwen2_5OmniThinkerConfig(
+            text_config={**_TEXT, **_mrope()}, vision_config=vision, audio_config=audio, audio_token_index=AUDIO,
+            image_token_index=IMAGE, video_token_index=VIDEO, audio_start_token_id=AUDIO_START,
+            audio_end_token_id=AUDIO_END, vision_start_token_id=START, vision_end_token_id=END, **overrides)
+        head = transformers.Qwen2_5OmniThinkerForConditionalGeneration
     torch.manual_seed(seed)
-    return Qwen2_5OmniThinkerForConditionalGeneration(config).float()
+    return head(config).float()
+
+
+def _audio_tokens(model, lengths: torch.Tensor) -> list[int]:
+    """Each clip's placeholder tokens, by the model's own length rule."""
+    if model.config.model_type == "qwen3_omni_moe_thinker":
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
+
+        rule = modeling._get_feat_extract_output_lengths  # takes n_window from transformers 5.20 on (100 before)
+        takes_window = len(__import__("inspect").signature(rule).parameters) > 1
+        return (rule(lengths, model.config.audio_config.n_window) if takes_window else rule(lengths)).tolist()
+    tower = getattr(model, "audio_tower", None) or model.model.audio_tower  # 5.24 moved the towers to model.model
+    return tower._get_feat_extract_output_lengths(lengths)[1].tolist()
 
 
 def omni_batch(model, left: bool = False, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -36,10 +66,8 @@ def omni_batch(model, left: bool = False, seed: int = 1) -> dict[str, torch.Tens
     feature_mask = torch.zeros(len(FRAMES), max(FRAMES), dtype=torch.long)
     for clip, frames in enumerate(FRAMES):
         feature_mask[clip, :frames] = 1
-    tower = getattr(model, "audio_tower", None) or model.model.audio_tower  # 5.24 moved the towers to model.model
-    _, audio_tokens = tower._get_feat_extract_output_lengths(feature_mask.sum(-1))
     rows = []
-    for row, (clip_tokens, grid) in enumerate(zip(audio_tokens.tolist(), GRIDS)):
+    for row, (clip_tokens, grid) in enumerate(zip(_audio_tokens(model, feature_mask.sum(-1)), GRIDS)):
         ids = torch.randint(3, 230, (4 + 2 * row,), generator=gen).tolist()
         ids += [AUDIO_START] + [AUDIO] * clip_tokens + [AUDIO_END]
         ids += [START] + [IMAGE] * (grid[0] * grid[1] * grid[2] // 4) + [END]

@@ -153,6 +153,12 @@ FAMILIES: dict[str, ModelFamily] = {
         _vlm("qwen2_5_omni_thinker", "Qwen2_5Omni", module="qwen2_5_omni", swiglu_mlp=("Qwen2MLP", "Qwen2_5OmniMLP"),
              vlm_heads=("Qwen2_5OmniThinkerForConditionalGeneration",), vision_model="Qwen2_5OmniVisionEncoder",
              audio_model="Qwen2_5OmniAudioEncoder", audio_attention=("Qwen2_5OmniAudioAttention",)),
+        # Qwen3-Omni's MoE thinker: Qwen3-VL-MoE-shaped text model and tower, the same audio tower shape
+        _vlm("qwen3_omni_moe_thinker", "Qwen3OmniMoe", module="qwen3_omni_moe",
+             attention="Qwen3OmniMoeThinkerTextAttention", rms_norm=("Qwen3OmniMoeThinkerTextRMSNorm",),
+             swiglu_mlp=("Qwen3OmniMoeThinkerTextMLP",), experts=("Qwen3OmniMoeThinkerTextExperts",),
+             vlm_heads=("Qwen3OmniMoeThinkerForConditionalGeneration",), vision_model="Qwen3OmniMoeVisionEncoder",
+             audio_model="Qwen3OmniMoeAudioEncoder", audio_attention=("Qwen3OmniMoeAudioAttention",)),
         _vlm("llava", "Llava", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,
              vision_attention=(), text_from_config=True),
         _vlm("internvl", "InternVL", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,

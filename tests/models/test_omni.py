@@ -1,4 +1,5 @@
-"""Qwen2.5-Omni's thinker (text model, vision tower, Whisper-style audio tower): loss and every gradient equal the
+"""The Omni thinkers (Qwen2.5-Omni; Qwen3-Omni's MoE one): text model, vision tower, Whisper-style audio tower - loss
+and every gradient equal the
 unpatched model (fp32, 1e-5) on the torch and npu backends, for a batch with two audio clips of different lengths
 and two images of different grids, text padded right or left; report() counts the audio tower's attention apart;
 on the NPU path the audio attention is one npu_fusion_attention (TND) per encoder layer over every window of every
@@ -7,37 +8,48 @@ clip, with the window boundaries HF computed, and the vision attention one per b
 import pytest
 import torch
 from tiny_models import assert_close_grads, loss_and_grads
-from tiny_omni import GRIDS, omni_batch, tiny_omni_thinker
+from tiny_omni import FRAMES, OMNI_TYPES, omni_batch, tiny_omni_thinker
 
 import mindspeed_hf
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.device import import_torch_npu
+from mindspeed_hf.patches import FAMILIES, experts
 
-transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not hasattr(transformers, "Qwen2_5OmniThinkerForConditionalGeneration"),
-                                reason="no Qwen2.5-Omni in this transformers release")
 CONFIG = {"kernels": {"skip_logits": "always", "loss_chunk_size": 16}}
 
 
-def _towers_patched() -> bool:
-    """transformers >= 5.20: the audio attention takes the windows' cu_seqlens alone and the vision tower passes
-    cos/sin; before, the audio attention also takes an attention mask and returns a tuple, and the vision rope
-    rotates one tensor by its freqs: both towers stay HF's there (the text model and the loss are ours)."""
+def _modeling(model_type: str):
+    import importlib
+
+    try:
+        return importlib.import_module(FAMILIES[model_type].modeling_module)
+    except ImportError:
+        return None
+
+
+def _towers_ours(model_type: str) -> tuple[bool, bool]:
+    """(vision, audio): whether each tower's attention runs ours on this release. The vision tower needs cos/sin
+    passed in (Qwen2.5-Omni before transformers 5.20 rotates one tensor by its freqs inside); the audio attention
+    must take the windows' cu_seqlens alone (before 5.20 it also takes an attention mask and returns a tuple).
+    Where not, that tower stays HF's (the text model and the loss are ours)."""
     import inspect
 
-    from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as modeling
+    modeling = _modeling(model_type)
+    family = FAMILIES[model_type]
+    vision, audio = (inspect.signature(getattr(modeling, name[0]).forward).parameters
+                     for name in (family.vision_attention, family.audio_attention))
+    return "position_embeddings" in vision, "attention_mask" not in audio
 
-    return "attention_mask" not in inspect.signature(modeling.Qwen2_5OmniAudioAttention.forward).parameters
 
-
-TOWERS = hasattr(transformers, "Qwen2_5OmniThinkerForConditionalGeneration") and _towers_patched()
+TYPES = [pytest.param(t, marks=pytest.mark.skipif(_modeling(t) is None, reason=f"no {t} in this release"))
+         for t in OMNI_TYPES]
 
 
 def _audio_boundaries(model) -> list[list[int]]:
     """The cu_seqlens HF hands each audio attention layer (recorded by a pre-hook: HF's own computation)."""
     seen: list[list[int]] = []
     for module in model.modules():
-        if type(module).__name__ == "Qwen2_5OmniAudioAttention":
+        if type(module).__name__.endswith("AudioAttention"):
             module.register_forward_pre_hook(
                 lambda m, a, kw: seen.append(kw.get("cu_seqlens", a[1] if len(a) > 1 else None)[1:].tolist()),
                 with_kwargs=True)
@@ -45,8 +57,11 @@ def _audio_boundaries(model) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("left", [False, True], ids=["right_padded", "left_padded"])
-def test_thinker_parity(backend, left, monkeypatch):
-    model = tiny_omni_thinker()
+@pytest.mark.parametrize("model_type", TYPES)
+def test_thinker_parity(model_type, backend, left, monkeypatch):
+    model = tiny_omni_thinker(model_type)
+    vision_ours, audio_ours = _towers_ours(model_type)
+    qwen3 = model_type.startswith("qwen3")
     batch = omni_batch(model, left=left)
     expected = loss_and_grads(model, batch)
     calls = []
@@ -66,27 +81,35 @@ def test_thinker_parity(backend, left, monkeypatch):
     report = mindspeed_hf.apply_to_model(model)
     layers = model.config.text_config.num_hidden_layers
     assert report["kernels"]["attention"] == report["kernels"]["rope"] == layers
-    assert report["kernels"]["fused_linear_cross_entropy"] == 1 and report["kernels"]["swiglu"] == layers
+    assert report["kernels"]["fused_linear_cross_entropy"] == 1
+    # Qwen3-Omni: every layer MoE, no shared expert (4.57: one MLP module per expert)
+    mlps = sum(type(m).__name__ == "Qwen3OmniMoeThinkerTextMLP" for m in model.modules())
+    assert report["kernels"]["swiglu"] == (mlps if qwen3 else layers)
+    assert report["kernels"]["experts"] == (layers if qwen3 and experts.available() else 0)
     depth = model.config.vision_config.depth
-    assert report["vision_kernels"] == {"rms_norm": 2 * depth + 1, "rope": depth if TOWERS else 0, "swiglu": depth,
-                                        "attention": depth}
-    audio_layers = model.config.audio_config.encoder_layers if TOWERS else 0
+    # Qwen3-Omni's tower: LayerNorm and GELU MLPs (HF's), like Qwen3-VL's
+    assert report["vision_kernels"] == {"rms_norm": 0 if qwen3 else 2 * depth + 1, "rope": depth if vision_ours else 0,
+                                        "swiglu": 0 if qwen3 else depth, "attention": depth}
+    audio_layers = model.config.audio_config.encoder_layers if audio_ours else 0
     assert report["audio_kernels"] == {"attention": audio_layers}
     model.train()
     loss, grads = loss_and_grads(model, batch)
     torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
     assert_close_grads(expected[1], grads)
     assert any("audio_tower." in name for name in grads) and any("visual." in name for name in grads)
-    assert mindspeed_hf.report(model)["ran"]["vision_attention"] == (depth + audio_layers if TOWERS else 0)
-    if backend == "npu" and TOWERS:
+    assert mindspeed_hf.report(model)["ran"]["vision_attention"] == (depth if vision_ours else 0) + audio_layers
+    if backend == "npu" and audio_ours:
         audio = boundaries[-audio_layers:]  # this forward's, HF's own window boundaries
-        assert len(set(map(tuple, audio))) == 1 and len(audio[0]) > len(GRIDS)  # windows of both clips, one call
+        # every window of both clips (Qwen2.5-Omni: 16-frame windows; Qwen3-Omni's attention window spans these
+        # short clips whole) in one call per layer
+        assert len(set(map(tuple, audio))) == 1 and len(audio[0]) >= len(FRAMES)
         assert [list(c) for c in calls if list(c) == audio[0]] == audio  # one TND call per encoder layer
-        assert len(calls) == depth + audio_layers
+        assert len(calls) == (depth if vision_ours else 0) + audio_layers
 
 
-def test_explicit_attention_keeps_hf_audio_path():
-    model = tiny_omni_thinker(attn_implementation="eager")
+@pytest.mark.parametrize("model_type", TYPES)
+def test_explicit_attention_keeps_hf_audio_path(model_type):
+    model = tiny_omni_thinker(model_type, attn_implementation="eager")
     mindspeed_hf.enable()
     report = mindspeed_hf.apply_to_model(model)
     assert report["audio_kernels"] == {"attention": 0} and report["attention_implementation"] == "eager"
