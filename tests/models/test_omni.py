@@ -113,3 +113,33 @@ def test_explicit_attention_keeps_hf_audio_path(model_type):
     mindspeed_hf.enable()
     report = mindspeed_hf.apply_to_model(model)
     assert report["audio_kernels"] == {"attention": 0} and report["attention_implementation"] == "eager"
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_context_parallel_refused_in_one_line(model_type):
+    from mindspeed_hf.parallel.context.model import check_context_parallel
+
+    with pytest.raises(ValueError, match=rf"parallel.cp: {model_type} has an audio tower; .* valid choices: "
+                                         r"parallel.cp=1") as error:
+        check_context_parallel(tiny_omni_thinker(model_type), ulysses=1)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_lora_on_the_thinker(model_type):
+    """PEFT LoRA on every projection of the thinker (text, vision and audio towers): loss and adapter gradients equal
+    the unpatched PEFT model's."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "q", "k", "v", "qkv", "gate_proj", "up_proj",
+               "down_proj", "fc1", "fc2"]  # (PEFT's "all-linear" refuses a Qwen3-Omni audio layer by itself)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    batch = omni_batch(tiny_omni_thinker(model_type))
+    expected = loss_and_grads(get_peft_model(tiny_omni_thinker(model_type), lora), batch)
+    model = get_peft_model(tiny_omni_thinker(model_type), lora)
+    mindspeed_hf.enable(config_from_dict({"backend": "npu"}))
+    mindspeed_hf.apply_to_model(model)
+    loss, grads = loss_and_grads(model, batch)
+    assert grads and all("lora_" in name for name in grads) and any("audio_tower" in name for name in grads)
+    torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
+    assert_close_grads(expected[1], grads)
