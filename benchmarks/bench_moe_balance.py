@@ -22,28 +22,6 @@ sys.path.insert(0, str(ROOT / "tests"))  # tiny_models
 from results_io import emit  # noqa: E402
 
 
-def imbalance_per_step(rate: float | None, steps: int) -> list[float]:
-    import torch
-    from tiny_models import skewed_moe_model
-
-    from mindspeed_hf.config import config_from_dict
-    from mindspeed_hf.trainers.moe_balance import AuxFreeBalance
-    from mindspeed_hf.trainers.moe_load import ExpertLoad
-
-    model, ids = skewed_moe_model()
-    config = {} if rate is None else {"moe": {"balance": "aux_free", "bias_update_rate": rate}}
-    balance = AuxFreeBalance.attach(model, config_from_dict(config))
-    load, out = ExpertLoad(model), []
-    for _ in range(steps):
-        with torch.no_grad():
-            model(input_ids=ids)
-        counts = load.counts()
-        out.append((counts.max(1).values / counts.mean(1)).mean().item())
-        if balance is not None:
-            balance.step()
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
@@ -51,7 +29,10 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     settings = [None, *(float(r) for r in args.rates.split(","))]
-    runs = {rate: imbalance_per_step(rate, args.steps) for rate in settings}
+    from tiny_models import imbalance_per_step
+
+    runs = {rate: imbalance_per_step({} if rate is None else {"moe": {"balance": "aux_free", "bias_update_rate": rate}},
+                                     args.steps) for rate in settings}
     marks = sorted({0, 9, 19, 29, 39, args.steps - 1} & set(range(args.steps)))
     lines = [f"# Aux-free balancing on a skewed router (tiny qwen3_moe, 4 experts top-2, 2 MoE layers, every token "
              f"routed to expert 0 at first): imbalance (busiest expert / mean, mean over layers; 2.0 = one expert "

@@ -79,6 +79,44 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
     return model.float()
 
 
+def modeling_of(model_type: str):
+    """The installed transformers modeling module of a mindspeed_hf family, or None (a release without it)."""
+    import importlib
+
+    from mindspeed_hf.patches import FAMILIES
+
+    try:
+        return importlib.import_module(FAMILIES[model_type].modeling_module)
+    except ImportError:
+        return None
+
+
+def installed(model_types) -> list:
+    """`model_types` as pytest params, each skipped on a release without its modeling module."""
+    return [pytest.param(t, marks=pytest.mark.skipif(modeling_of(t) is None, reason=f"no {t} in this release"))
+            for t in model_types]
+
+
+def imbalance_per_step(balance_config: dict, steps: int) -> list[float]:
+    """skewed_moe_model's expert imbalance (busiest / mean, mean over layers) per training-mode forward on its batch,
+    with the aux-free balance `balance_config` asks for stepped after each (the weights unchanged)."""
+    from mindspeed_hf.config import config_from_dict
+    from mindspeed_hf.trainers.moe_balance import AuxFreeBalance
+    from mindspeed_hf.trainers.moe_load import ExpertLoad
+
+    model, ids = skewed_moe_model()
+    balance = AuxFreeBalance.attach(model, config_from_dict(balance_config))
+    load, out = ExpertLoad(model), []
+    for _ in range(steps):
+        with torch.no_grad():
+            model(input_ids=ids)
+        counts = load.counts()
+        out.append((counts.max(1).values / counts.mean(1)).mean().item())
+        if balance is not None:
+            balance.step()
+    return out
+
+
 def skewed_moe_model(seed: int = 4) -> tuple[torch.nn.Module, torch.Tensor]:
     """A training-mode tiny qwen3_moe whose routers give expert 0 most of every token's probability (a shared
     component added to every token's embedding, each router's expert-0 row turned towards the mean of its inputs),

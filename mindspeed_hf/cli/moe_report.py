@@ -12,15 +12,14 @@ from pathlib import Path
 
 import torch
 
+from ..trainers.moe_load import ExpertLoad
 from .bench_plot import require_matplotlib
-
-HISTORY = "moe_load.jsonl"  # trainers/moe_load.ExpertLoad.HISTORY (the cli reads what the trainer floor wrote)
 
 
 def read_history(run_dir: str | Path) -> tuple[list[int | None], torch.Tensor]:
     """(steps, tokens [intervals, layers, experts]) of a run directory (or the .jsonl itself); one-line errors."""
     path = Path(run_dir)
-    path = path / HISTORY if path.is_dir() else path
+    path = path / ExpertLoad.HISTORY if path.is_dir() else path
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no expert-load history here (a Trainer run on a MoE model with "
                                 "moe.log_load on writes OUTPUT_DIR/moe_load.jsonl)")

@@ -5,13 +5,12 @@ against HF on the same documents as separate rows - HF's own packed forward carr
 documents, so it is not the reference (measured below). Also: what report() says ran, the NPU ops, generation,
 an explicit attention request, disable(), the context-parallel refusal, and the flash-linear-attention call."""
 
-import importlib
 import sys
 import types
 
 import pytest
 import torch
-from tiny_models import HYBRID_CONFIGS, VOCAB, assert_close_grads, loss_and_grads, tiny_model
+from tiny_models import HYBRID_CONFIGS, VOCAB, assert_close_grads, installed, loss_and_grads, modeling_of, tiny_model
 
 import mindspeed_hf
 from mindspeed_hf.config import config_from_dict
@@ -19,18 +18,8 @@ from mindspeed_hf.ops import linear_attention as ops
 from mindspeed_hf.ops.varlen import length_groups
 from mindspeed_hf.patches import FAMILIES, experts
 
-
-def _installed(model_type: str) -> bool:
-    try:
-        importlib.import_module(FAMILIES[model_type].modeling_module)
-    except ImportError:
-        return False
-    return True
-
-
-INSTALLED = [name for name in sorted(HYBRID_CONFIGS) if _installed(name)]  # 4.57: qwen3_next only
-HYBRIDS = [pytest.param(name, marks=pytest.mark.skipif(not _installed(name), reason=f"no {name} in this release"))
-           for name in sorted(HYBRID_CONFIGS)]
+INSTALLED = [name for name in sorted(HYBRID_CONFIGS) if modeling_of(name)]  # 4.57: qwen3_next only
+HYBRIDS = installed(sorted(HYBRID_CONFIGS))
 LENGTHS = (70, 40, 25)  # the longest spans two of HF's 64-token chunks
 
 
@@ -154,7 +143,7 @@ def test_fla_call_contract(monkeypatch):
     """On CUDA / NPU with flash-linear-attention installed the rule is its chunk_gated_delta_rule: called with
     transformers' arguments, grouped key/query heads repeated up to the value heads. A stand-in fla (HF's torch rule
     behind fla's signature) checks the call; the real kernels need a GPU or an NPU, which these tests do not have."""
-    module = importlib.import_module(FAMILIES[INSTALLED[0]].modeling_module)
+    module = modeling_of(INSTALLED[0])
     reference = getattr(module, "torch_chunk_gated_delta_rule", None)
     if reference is None:
         pytest.skip("this release has no module-level torch_chunk_gated_delta_rule")

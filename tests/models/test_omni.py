@@ -7,7 +7,7 @@ clip, with the window boundaries HF computed, and the vision attention one per b
 
 import pytest
 import torch
-from tiny_models import assert_close_grads, loss_and_grads
+from tiny_models import assert_close_grads, installed, loss_and_grads, modeling_of
 from tiny_omni import FRAMES, OMNI_TYPES, omni_batch, tiny_omni_thinker
 
 import mindspeed_hf
@@ -18,15 +18,6 @@ from mindspeed_hf.patches import FAMILIES, experts
 CONFIG = {"kernels": {"skip_logits": "always", "loss_chunk_size": 16}}
 
 
-def _modeling(model_type: str):
-    import importlib
-
-    try:
-        return importlib.import_module(FAMILIES[model_type].modeling_module)
-    except ImportError:
-        return None
-
-
 def _towers_ours(model_type: str) -> tuple[bool, bool]:
     """(vision, audio): whether each tower's attention runs ours on this release. The vision tower needs cos/sin
     passed in (Qwen2.5-Omni before transformers 5.20 rotates one tensor by its freqs inside); the audio attention
@@ -34,15 +25,14 @@ def _towers_ours(model_type: str) -> tuple[bool, bool]:
     Where not, that tower stays HF's (the text model and the loss are ours)."""
     import inspect
 
-    modeling = _modeling(model_type)
+    modeling = modeling_of(model_type)
     family = FAMILIES[model_type]
     vision, audio = (inspect.signature(getattr(modeling, name[0]).forward).parameters
                      for name in (family.vision_attention, family.audio_attention))
     return "position_embeddings" in vision, "attention_mask" not in audio
 
 
-TYPES = [pytest.param(t, marks=pytest.mark.skipif(_modeling(t) is None, reason=f"no {t} in this release"))
-         for t in OMNI_TYPES]
+TYPES = installed(OMNI_TYPES)
 
 
 def _audio_boundaries(model) -> list[list[int]]:

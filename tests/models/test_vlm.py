@@ -6,7 +6,7 @@ varlen call per layer for all images; report() counts vision and text kernels ap
 
 import pytest
 import torch
-from tiny_models import assert_close_grads, loss_and_grads
+from tiny_models import assert_close_grads, installed, loss_and_grads
 from tiny_vlms import GRIDS, HYBRID_VL, QWEN_VL, VLM_TYPES, packed_vlm_batch, tiny_vlm, vlm_batch
 from transformers import AutoModelForImageTextToText
 
@@ -20,19 +20,8 @@ CONFIG = {"kernels": {"skip_logits": "always", "loss_chunk_size": 16}}
 OVERRIDES = {"qwen3_vl_moe": {"text_config": {"output_router_logits": True}}}
 
 
-def _installed(model_type: str) -> bool:
-    import importlib
-
-    try:
-        importlib.import_module(FAMILIES[model_type].modeling_module)
-    except ImportError:
-        return False
-    return True
-
-
 # Qwen3.5 (-MoE) exist from transformers 5.x on
-TYPES = [pytest.param(t, marks=pytest.mark.skipif(not _installed(t), reason=f"no {t} in this release"))
-         for t in VLM_TYPES]
+TYPES = installed(VLM_TYPES)
 
 
 def _full_attention_layers(text) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import assert_close_grads, loss_and_grads, padded_batch, skewed_moe_model, tiny_model
+from tiny_models import assert_close_grads, imbalance_per_step, loss_and_grads, padded_batch, tiny_model
 from transformers import Trainer, TrainingArguments
 
 import mindspeed_hf
@@ -90,25 +90,9 @@ def test_gpt_oss_router_is_refused_in_one_line():
     assert "\n" not in str(error.value)
 
 
-def _imbalance_per_step(balance_config: dict, steps: int = 20) -> list[float]:
-    from mindspeed_hf.trainers.moe_load import ExpertLoad
-
-    model, ids = skewed_moe_model()
-    balance = AuxFreeBalance.attach(model, config_from_dict(balance_config))
-    load, out = ExpertLoad(model), []
-    for _ in range(steps):
-        with torch.no_grad():
-            model(input_ids=ids)
-        counts = load.counts()
-        out.append((counts.max(1).values / counts.mean(1)).mean().item())
-        if balance is not None:
-            balance.step()
-    return out
-
-
 def test_the_biases_even_out_an_imbalanced_router():
-    plain = _imbalance_per_step({})
-    balanced = _imbalance_per_step({"moe": {"balance": "aux_free", "bias_update_rate": 0.02}})
+    plain = imbalance_per_step({}, 20)
+    balanced = imbalance_per_step({"moe": {"balance": "aux_free", "bias_update_rate": 0.02}}, 20)
     assert min(plain) > 1.95 and balanced[0] == plain[0]  # every token on expert 0; the biases start at zero
     assert balanced[-1] < 0.9 * plain[-1] and balanced[-1] < balanced[len(balanced) // 2], (plain, balanced)
 
