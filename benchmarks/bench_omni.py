@@ -3,10 +3,10 @@ pairs: step time, peak resident memory and per-step losses.
 
     python benchmarks/bench_omni.py [--repeats 3] [--out benchmarks/results/omni_cpu.md]
 
-The thinker is tests/tiny_omni's with Qwen2.5-Omni's vocabulary (151936); each step is
-forward, backward and AdamW on two rows, each with one audio clip (mel features of 130 and 70 frames) and one image
-(8x8 and 4x4 patches), right-padded text. On CPU the attention kernels are torch's on both sides: the figures are the
-fused loss (the [tokens, 151936] logits HF builds) and the other kernels.
+The thinker is tests/tiny_omni's with Qwen2.5-Omni's vocabulary (151936); each step is forward, backward and AdamW
+on two rows, each with one audio clip (mel features of 130 and 70 frames), one image (8x8 and 4x4 patches) and --text
+text tokens, right-padded. On CPU the attention kernels are torch's on both sides: the figures are the fused loss
+(the [tokens, 151936] logits HF builds) and the other kernels.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def worker(args) -> dict:
     model = type(model)(model.config).float().train()
     if mindspeed_hf.is_enabled():
         mindspeed_hf.apply_to_model(model)
-    batch = omni_batch(model)
+    batch = omni_batch(model, text=args.text)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     reset_peak_memory("cpu")
     losses, times = [], []
@@ -58,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2_5_omni_thinker")
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--text", type=int, default=512, help="text tokens after each row's audio and image")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
@@ -72,8 +73,8 @@ def main() -> None:
         runs.append({name: run_worker_self(__file__, auto, OMP_NUM_THREADS="1")
                      for name, auto in (order if repeat % 2 == 0 else order[::-1])})
     lines = [f"# Omni thinker step on CPU: tiny {args.model} (tests/tiny_omni) with vocabulary {args.vocab}, two rows "
-             f"with one audio clip and one image each, fp32, one thread; {args.repeats} alternating process pairs, "
-             f"{args.steps} steps each (median after the first)", "", *paired_rows(runs)]
+             f"with one audio clip, one image and {args.text} text tokens each, fp32, one thread; {args.repeats} "
+             f"alternating process pairs, {args.steps} steps each (median after the first)", "", *paired_rows(runs)]
     emit("\n".join(lines) + "\n", args.out)
 
 

@@ -59,8 +59,9 @@ def _audio_tokens(model, lengths: torch.Tensor) -> list[int]:
     return tower._get_feat_extract_output_lengths(lengths)[1].tolist()
 
 
-def omni_batch(model, left: bool = False, seed: int = 1) -> dict[str, torch.Tensor]:
-    """Two rows, each with one audio clip and one image; labels -100 on audio, image and padding tokens."""
+def omni_batch(model, left: bool = False, seed: int = 1, text: int = 6) -> dict[str, torch.Tensor]:
+    """Two rows, each with one audio clip and one image, then `text` text tokens; labels -100 on audio, image and
+    padding tokens."""
     gen = torch.Generator().manual_seed(seed)
     features = torch.randn(len(FRAMES), MEL, max(FRAMES), generator=gen)
     feature_mask = torch.zeros(len(FRAMES), max(FRAMES), dtype=torch.long)
@@ -71,7 +72,7 @@ def omni_batch(model, left: bool = False, seed: int = 1) -> dict[str, torch.Tens
         ids = torch.randint(3, 230, (4 + 2 * row,), generator=gen).tolist()
         ids += [AUDIO_START] + [AUDIO] * clip_tokens + [AUDIO_END]
         ids += [START] + [IMAGE] * (grid[0] * grid[1] * grid[2] // 4) + [END]
-        rows.append(ids + torch.randint(3, 230, (6,), generator=gen).tolist())
+        rows.append(ids + torch.randint(3, 230, (text,), generator=gen).tolist())
     length = max(map(len, rows)) + 2
     input_ids = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
