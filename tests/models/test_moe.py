@@ -9,7 +9,7 @@ import inspect
 
 import pytest
 import torch
-from tiny_models import assert_close_grads, loss_and_grads, padded_batch, tiny_model
+from tiny_models import assert_close_grads, loss_and_grads, modeling_of, padded_batch, tiny_model
 
 import mindspeed_hf
 from mindspeed_hf import compat
@@ -17,7 +17,9 @@ from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.patches import FAMILIES
 from mindspeed_hf.patches import experts as experts_patch
 
-MOE = sorted(name for name, family in FAMILIES.items() if family.experts and family.causal_lm)  # VLMs: test_vlm.py
+# VLMs: test_vlm.py; families this release lacks (Qwen3.5-MoE before 5.x) left out
+MOE = sorted(name for name, family in FAMILIES.items()
+             if family.experts and family.causal_lm and modeling_of(name) is not None)
 FUSED = compat.experts_registry() is not None
 needs_fused = pytest.mark.skipif(not FUSED, reason="the experts kernel needs transformers >= 5.10 (4.57: one module "
                                  "per expert; 5.0-5.9 accept only their own experts implementations)")
