@@ -98,8 +98,9 @@ def test_mindspeed_trainer_dp_shard_matches_single_process(root, reference, trai
 
 def test_kernels_on_a_sharded_model(reference, train):
     r = train["ms_kernels"]
-    # every kernel of a llama (no experts), the fused loss included: it reads the sharded tail group's lm_head
-    assert all(n for op, n in r["report_kernels"].items() if op not in ("experts", "linear_attention"))  # qwen3: neither
+    # every kernel of the model (no experts, no linear attention), the fused loss included: it reads the sharded tail
+    # group's lm_head
+    assert all(n for op, n in r["report_kernels"].items() if op not in ("experts", "linear_attention"))
     _close(r["losses"], reference["base"]["losses"])
     _sharded(r)
 
