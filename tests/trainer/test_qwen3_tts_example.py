@@ -64,7 +64,8 @@ def test_script_runs_from_yaml(checkpoint, tmp_path):
     torch.testing.assert_close(torch.tensor(logged), torch.tensor(plain), atol=6e-5, rtol=0)
     report = next(line for line in lines if "report" in line)
     assert report["enabled"] and report["report"]["kernels"] == {
-        "rms_norm": 18, "rope": 4, "swiglu": 4, "attention": 4, "fused_linear_cross_entropy": 0, "experts": 0}
+        "rms_norm": 18, "rope": 4, "swiglu": 4, "attention": 4, "fused_linear_cross_entropy": 0, "experts": 0,
+        "linear_attention": 0}
 
 
 def _train(checkpoint: Path, tmp_path: Path, lora: bool, bf16: bool, **training) -> tuple[list[float], dict]:
