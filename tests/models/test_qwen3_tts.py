@@ -82,7 +82,7 @@ def test_talker_and_code_predictor_match_hf(backend):
     report = mindspeed_hf.apply_to_model(module)
     # talker: 2 layers x (input, post-attention, q_norm, k_norm) + final norm; the code predictor the same
     assert report["kernels"] == {"rms_norm": 18, "rope": 4, "swiglu": 4, "attention": 4,
-                                 "fused_linear_cross_entropy": 0, "experts": 0}
+                                 "fused_linear_cross_entropy": 0, "experts": 0, "linear_attention": 0}
     assert report["backend"] == backend and report["model_type"] == "qwen3_tts"
     assert {model.talker.config._attn_implementation,
             model.talker.code_predictor.config._attn_implementation} == {"mindspeed"}
