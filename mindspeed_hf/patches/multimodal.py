@@ -188,7 +188,8 @@ def patch_family(family, module, switch_method: Callable[[Any, str, str, Callabl
     recorded, config-switched patcher; `set_once(owner, name, value)` its recorded patcher without a switch."""
     for name in family.vision_attention:
         cls = getattr(module, name, None)
-        if cls is not None:
+        # cos/sin handed in (Qwen2.5-Omni before transformers 5.20 rotates inside the layer: left as it is)
+        if cls is not None and "position_embeddings" in inspect.signature(cls.forward).parameters:
             switch_method(cls, "forward", "attention", vision_attention_forward(cls.forward))
     for name in family.audio_attention:
         cls = getattr(module, name, None)
