@@ -109,16 +109,12 @@ def _layer(args) -> dict:
     from mindspeed_hf.ops import varlen
     from mindspeed_hf.patches import linear_attention
 
-    positions = torch.cat([torch.arange(n) for n in DOCS])[None]
-    documents = varlen.varlen_info(positions * 0 + torch.repeat_interleave(torch.arange(len(DOCS)),
-                                                                           torch.tensor(DOCS))[None], "sequence_ids")
+    document_ids = torch.repeat_interleave(torch.arange(len(DOCS)), torch.tensor(DOCS))[None]
+    documents = varlen.varlen_info(document_ids, "sequence_ids")  # what the text model finds for a packed row
 
     def ours(x):
-        linear_attention._running.append(documents)  # what the text model's forward sets for a packed row
-        try:
+        with linear_attention.packed_documents(documents):  # what the text model's forward opens for a packed row
             return layer(x)
-        finally:
-            linear_attention._running.pop()
 
     our_time, our_out = timed(ours)
     return {"hf_packed": hf_time, "ours": our_time, "hf_packed_diff": (hf_packed - reference).abs().max().item(),

@@ -18,9 +18,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,6 +62,17 @@ def _packed_documents(arguments: dict[str, Any]) -> varlen.VarlenInfo | None:
     return None if ids is None else varlen.varlen_info(ids, "sequence_ids")
 
 
+@contextlib.contextmanager
+def packed_documents(documents: varlen.VarlenInfo) -> Iterator[None]:
+    """While it is open, the linear layers run the packed batch's `documents` apart (what the text model's forward
+    opens for a packed batch; a benchmark of one layer opens it itself)."""
+    _running.append(documents)
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
 def text_model_forward(original: Callable) -> Callable:
     """XModel / XTextModel.forward: a packed batch runs without a cache, its documents known to the linear layers
     while it runs; anything else is HF's forward as is."""
@@ -73,11 +85,8 @@ def text_model_forward(original: Callable) -> Callable:
         if documents is None:
             return original(self, *args, **kwargs)
         without_cache(signature, bound)
-        _running.append(documents)
-        try:
+        with packed_documents(documents):
             return call_by_name(original, signature, bound)
-        finally:
-            _running.pop()
 
     return forward
 
