@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from results_io import emit, paired_rows, run_worker_self, spread  # noqa: E402
+from results_io import alternating_pairs, emit, paired_rows, run_worker_self, spread, timed_steps  # noqa: E402
 
 DOCS = (300, 140, 60, 12)  # one packed row of documents
 
@@ -46,29 +46,17 @@ def _step(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     import mindspeed_hf
-    from mindspeed_hf.device import peak_memory_bytes, reset_peak_memory
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(args)).float().train()
     if mindspeed_hf.is_enabled():
         mindspeed_hf.apply_to_model(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
     mask = torch.ones_like(ids)
     mask[1:, args.seq * 3 // 4:] = 0  # a padded row
-    labels = ids.masked_fill(mask == 0, -100)
-    reset_peak_memory("cpu")
-    losses, times = [], []
-    for _ in range(args.steps):
-        began = time.perf_counter()
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - began)
-        losses.append(loss.item())
-    return {"losses": losses, "step": statistics.median(times[1:]), "peak_bytes": peak_memory_bytes("cpu")}
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100), "use_cache": False}
+    return timed_steps(model, batch, args.steps)
 
 
 def _layer(args) -> dict:
@@ -137,11 +125,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(_step(args) if args.part == "step" else _layer(args)))
         return
-    runs = []
-    for repeat in range(args.repeats):
-        order = (("plain HF", "0"), ("mindspeed_hf", "1"))
-        runs.append({name: run_worker_self(__file__, auto, "--part", "step", OMP_NUM_THREADS="1")
-                     for name, auto in (order if repeat % 2 == 0 else order[::-1])})
+    runs = alternating_pairs(__file__, args.repeats, "--part", "step")
     layers = [run_worker_self(__file__, "0", "--part", "layer", OMP_NUM_THREADS="1") for _ in range(args.repeats)]
     lines = [f"# Qwen3.5-shaped hybrid model on CPU: {args.layers} layers (3 Gated DeltaNet : 1 gated attention), "
              f"hidden {args.hidden}, vocab {args.vocab}, batch {args.batch} x {args.seq} (one row a quarter padded), "

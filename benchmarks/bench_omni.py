@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))  # tiny_omni
 
-from results_io import emit, paired_rows, run_worker_self  # noqa: E402
+from results_io import alternating_pairs, emit, paired_rows, timed_steps  # noqa: E402
 
 
 def worker(args) -> dict:
@@ -30,7 +28,6 @@ def worker(args) -> dict:
     from tiny_omni import omni_batch, tiny_omni_thinker
 
     import mindspeed_hf
-    from mindspeed_hf.device import peak_memory_bytes, reset_peak_memory
 
     torch.set_num_threads(1)
     model = tiny_omni_thinker(args.model)
@@ -39,19 +36,7 @@ def worker(args) -> dict:
     model = type(model)(model.config).float().train()
     if mindspeed_hf.is_enabled():
         mindspeed_hf.apply_to_model(model)
-    batch = omni_batch(model, text=args.text)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    reset_peak_memory("cpu")
-    losses, times = [], []
-    for _ in range(args.steps):
-        began = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - began)
-        losses.append(loss.item())
-    return {"losses": losses, "step": statistics.median(times[1:]), "peak_bytes": peak_memory_bytes("cpu")}
+    return timed_steps(model, omni_batch(model, text=args.text), args.steps)
 
 
 def main() -> None:
@@ -67,11 +52,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    runs = []
-    for repeat in range(args.repeats):
-        order = (("plain HF", "0"), ("mindspeed_hf", "1"))
-        runs.append({name: run_worker_self(__file__, auto, OMP_NUM_THREADS="1")
-                     for name, auto in (order if repeat % 2 == 0 else order[::-1])})
+    runs = alternating_pairs(__file__, args.repeats)
     lines = [f"# Omni thinker step on CPU: tiny {args.model} (tests/tiny_omni) with vocabulary {args.vocab}, two rows "
              f"with one audio clip, one image and {args.text} text tokens each, fp32, one thread; {args.repeats} "
              f"alternating process pairs, {args.steps} steps each (median after the first)", "", *paired_rows(runs)]

@@ -64,6 +64,38 @@ def run_worker_self(script: str, auto: str, *extra: str, **env: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def alternating_pairs(script: str, repeats: int, *extra: str, **env: str) -> list[dict[str, dict]]:
+    """`repeats` process pairs of `script --worker`, plain HF (MINDSPEED_HF_AUTO=0) and mindspeed_hf (=1), the order
+    alternating from pair to pair; one thread each. For paired_rows()."""
+    order = (("plain HF", "0"), ("mindspeed_hf", "1"))
+    return [{name: run_worker_self(script, auto, *extra, OMP_NUM_THREADS="1", **env)
+             for name, auto in (order if repeat % 2 == 0 else order[::-1])} for repeat in range(repeats)]
+
+
+def timed_steps(model, batch: dict, steps: int) -> dict:
+    """`steps` training steps (forward, backward, AdamW) of `model` on `batch` on the CPU: the per-step losses, the
+    median step time after the first and the process's peak resident memory."""
+    import statistics
+    import time
+
+    import torch
+
+    from mindspeed_hf.device import peak_memory_bytes, reset_peak_memory
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    reset_peak_memory("cpu")
+    losses, times = [], []
+    for _ in range(steps):
+        began = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - began)
+        losses.append(loss.item())
+    return {"losses": losses, "step": statistics.median(times[1:]), "peak_bytes": peak_memory_bytes("cpu")}
+
+
 def run_torchrun_self(script: str, model, args, names: tuple[str, ...], nproc: int = 2) -> dict:
     """Save `model` to a temporary directory and run `script --worker --model_dir=... --result=...` (plus the
     `names` of `args` as `--name=value`) under torchrun with `nproc` CPU processes (one thread each); the JSON
