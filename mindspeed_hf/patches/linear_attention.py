@@ -97,13 +97,15 @@ def gated_delta_net_forward(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
-        bound, arguments = bind(signature, self, *args, **kwargs)
-        hidden = arguments["hidden_states"]
         if compat.current_autograd_node() is not None:  # recomputed in backward: the documents its forward had
             documents = vars(self).get(_DOCUMENTS)
         else:
             documents = self.__dict__[_DOCUMENTS] = _running[-1] if _running else None
-        if documents is None or documents.total != hidden.shape[0] * hidden.shape[1]:
+        if documents is None:  # not a packed batch: HF's forward, nothing bound
+            return original(self, *args, **kwargs)
+        bound, arguments = bind(signature, self, *args, **kwargs)
+        hidden = arguments["hidden_states"]
+        if documents.total != hidden.shape[0] * hidden.shape[1]:
             return original(self, *args, **kwargs)
         for name in PACKED_KWARGS:
             bound.arguments.get("kwargs", {}).pop(name, None)

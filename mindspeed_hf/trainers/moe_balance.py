@@ -19,6 +19,7 @@ Any other router (GPT-OSS's) is refused in one line. `moe.balance: none` (the de
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from .moe_load import ExpertLoad
 __all__ = ["AuxFreeBalance", "BalanceCallback"]
 
 BIAS = "expert_bias"
+logger = logging.getLogger("mindspeed_hf")
 
 
 def _native_bias(router: nn.Module) -> torch.Tensor | None:
@@ -92,6 +94,9 @@ class AuxFreeBalance:
         balance = cls(model, config.moe.bias_update_rate)
         if not balance.biases:
             balance.remove()
+            logger.warning("mindspeed_hf: moe.balance=aux_free does not apply to %s: it has no fused MoE experts "
+                           "(a dense model, or transformers < 5); it trains unbalanced as before",
+                           type(model).__name__)
             return None
         return balance
 

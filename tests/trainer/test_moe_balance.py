@@ -125,3 +125,9 @@ def test_off_by_default_attaches_nothing():
     model = tiny_model("qwen3_moe")
     assert AuxFreeBalance.attach(model, config_from_dict({})) is None
     assert not any(hasattr(r, BIAS) or r._forward_hooks for r in _routers(model))
+
+
+def test_a_dense_model_says_balancing_does_not_apply(caplog):
+    with caplog.at_level("WARNING", logger="mindspeed_hf"):
+        assert AuxFreeBalance.attach(tiny_model("qwen3"), ON) is None
+    assert [r.getMessage() for r in caplog.records if "moe.balance=aux_free does not apply" in r.getMessage()]
