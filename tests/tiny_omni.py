@@ -85,3 +85,37 @@ def omni_batch(model, left: bool = False, seed: int = 1, text: int = 6) -> dict[
             "input_features": features, "feature_attention_mask": feature_mask,
             "pixel_values": torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4, generator=gen),
             "image_grid_thw": grid}
+
+
+ROW_CLIPS = ((130,), (70, 40), (), (90,))  # mel frames of each row's audio clips (cycled)
+ROW_GRIDS = (((1, 4, 4),), (), ((1, 8, 8), (1, 4, 8)), ())  # each row's images (cycled)
+
+
+def omni_rows(model, count: int = 16, seed: int = 7) -> list[dict]:
+    """`count` unpadded rows, a processor's output per example: input_ids, labels (-100 on audio and image
+    tokens), and each row's own `input_features` [clips, mel, frames] / `feature_attention_mask` (its clips padded
+    to its longest), `pixel_values` / `image_grid_thw`. Rows with audio and images, audio only, images only,
+    neither."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for index in range(count):
+        clips, grids = ROW_CLIPS[index % len(ROW_CLIPS)], ROW_GRIDS[(index // 2) % len(ROW_GRIDS)]
+        ids = torch.randint(3, 230, (3 + index % 4,), generator=gen).tolist()
+        frames = torch.tensor(clips, dtype=torch.long)
+        for tokens in (_audio_tokens(model, frames) if clips else []):
+            ids += [AUDIO_START] + [AUDIO] * tokens + [AUDIO_END] + torch.randint(3, 230, (2,), generator=gen).tolist()
+        for grid in grids:
+            ids += [START] + [IMAGE] * (grid[0] * grid[1] * grid[2] // 4) + [END]
+            ids += torch.randint(3, 230, (2 + index % 3,), generator=gen).tolist()
+        input_ids = torch.tensor(ids)
+        row = {"input_ids": ids, "labels": input_ids.masked_fill(input_ids >= AUDIO, -100).tolist()}
+        if clips:
+            mask = (torch.arange(max(clips))[None] < frames[:, None]).long()
+            row["input_features"] = torch.randn(len(clips), MEL, max(clips), generator=gen) * mask[:, None]
+            row["feature_attention_mask"] = mask
+        if grids:
+            grid = torch.tensor(grids)
+            row["image_grid_thw"] = grid
+            row["pixel_values"] = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4, generator=gen)
+        rows.append(row)
+    return rows

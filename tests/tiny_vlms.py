@@ -214,7 +214,8 @@ def vlm_rows(model, count: int = 16, videos: bool = False, seed: int = 5) -> lis
 
 def pad_rows(rows: list[dict]) -> dict[str, torch.Tensor]:
     """A plain padding collator: the rows right-padded to one length with an attention mask (labels -100 and
-    token type 0 on padding), the vision tensors concatenated in row order."""
+    token type 0 on padding), the vision tensors concatenated in row order, audio clips (Omni) concatenated with
+    their frames padded to the longest."""
     length = max(len(row["input_ids"]) for row in rows)
     batch = {"input_ids": torch.zeros(len(rows), length, dtype=torch.long),
              "labels": torch.full((len(rows), length), -100), "attention_mask": torch.zeros(len(rows), length,
@@ -231,4 +232,10 @@ def pad_rows(rows: list[dict]) -> dict[str, torch.Tensor]:
         parts = [row[key] for row in rows if key in row]
         if parts:
             batch[key] = torch.cat(parts)
+    clips = [row for row in rows if "input_features" in row]  # Omni audio: clips padded to the longest
+    if clips:
+        frames = max(row["input_features"].shape[-1] for row in clips)
+        for key in ("input_features", "feature_attention_mask"):
+            batch[key] = torch.cat([torch.nn.functional.pad(row[key], (0, frames - row[key].shape[-1]))
+                                    for row in clips])
     return batch

@@ -8,15 +8,18 @@ installed release exactly. Added on top, in row order:
 - `pixel_values` / `pixel_values_videos`: the rows' patches concatenated along the patch axis;
 - `image_grid_thw` / `video_grid_thw`: the rows' grids concatenated along the image (video) axis;
 - `second_per_grid_ts` (Qwen2.5-VL videos): concatenated along the video axis;
-- `mm_token_type_ids`: concatenated like `input_ids`, shape [1, total].
+- `mm_token_type_ids`: concatenated like `input_ids`, shape [1, total];
+- `video_second_per_grid` (the Omni models' name for the seconds per video grid): concatenated along the video axis;
+- `input_features` / `feature_attention_mask` (the Omni models' audio clips: [clips, mel, frames] and
+  [clips, frames] per row, or one clip's [mel, frames] and [frames]): the rows' clips concatenated along the clip
+  axis, their frames right-padded with zeros (mask 0) to the longest clip, as a processor pads a batch.
 
 The collator needs no model and no processor. The model side (per-document M-RoPE positions and the
 block-diagonal attention) is mindspeed_hf's patch of the Qwen-VL models (patches/packed_positions.py): with
 mindspeed_hf enabled, a Qwen-VL model that receives the packed row computes every document's 3-D rope positions
 with HF's own `get_rope_index` on that document alone, so a packed batch gives the loss and gradients of the same
-rows padded. Without mindspeed_hf, HF treats the packed row as one sequence.
-
-Audio inputs (`input_features`, `feature_attention_mask`: the Omni models, not supported yet) are refused.
+rows padded (the Omni thinkers: the same with every document's audio clips). Without mindspeed_hf, HF treats the
+packed row as one sequence.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from typing import Any
 import torch
 
 #: Per-row tensors concatenated along their first axis, in row order.
-CONCATENATED = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+CONCATENATED = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+                "video_second_per_grid")
 #: Per-token rows laid end to end like `input_ids` (shape [1, total]).
 PER_TOKEN = ("mm_token_type_ids",)
-#: Audio inputs of the Omni models: refused until those models are supported.
+#: Audio clips of the Omni models: (features [clips, mel, frames], their frame mask [clips, frames]).
 AUDIO = ("input_features", "feature_attention_mask")
 
 
@@ -83,10 +87,6 @@ class FlatteningCollator:
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """One packed row: HF's flattened text fields, then the vision fields of the rows in row order."""
-        audio = sorted({key for row in features for key in AUDIO if row.get(key) is not None})
-        if audio:
-            raise ValueError(f"FlatteningCollator: audio inputs ({', '.join(audio)}) are not supported yet (the Omni "
-                             "models are not); pack rows without audio")
         rows = [row for row in features if len(row["input_ids"]) > 0]  # HF's collator skips empty rows too
         batch = self._text(rows)
         for key in PER_TOKEN:
@@ -99,11 +99,37 @@ class FlatteningCollator:
             parts = [_tensor(row[key]) for row in rows if row.get(key) is not None]
             if parts:
                 batch[key] = torch.cat(parts)
-        vision = any(key in batch for key in ("pixel_values", "pixel_values_videos"))
+        batch.update(_audio_clips(rows))
+        vision = any(key in batch for key in ("pixel_values", "pixel_values_videos", "input_features"))
         if vision and not self.return_position_ids:
             raise ValueError("FlatteningCollator: return_position_ids=False with vision inputs: the model could not "
                              "tell the documents apart (their M-RoPE positions restart per document)")
         return batch
+
+
+def _audio_clips(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """The rows' audio clips in row order: `input_features` [clips, mel, frames] and `feature_attention_mask`
+    [clips, frames], frames right-padded to the longest clip (features 0, mask 0)."""
+    features, masks = [], []
+    for index, row in enumerate(rows):
+        given = [row.get(key) is not None for key in AUDIO]
+        if any(given) and not all(given):
+            raise ValueError(f"FlatteningCollator: row {index} has {AUDIO[given.index(True)]} without "
+                             f"{AUDIO[given.index(False)]}; an audio clip needs both")
+        if all(given):
+            clips, mask = _tensor(row[AUDIO[0]]), _tensor(row[AUDIO[1]])
+            clips, mask = (clips[None], mask[None]) if clips.dim() == 2 else (clips, mask)
+            if clips.dim() != 3 or mask.shape != (clips.shape[0], clips.shape[2]):
+                raise ValueError(f"FlatteningCollator: row {index}: input_features {list(clips.shape)} and "
+                                 f"feature_attention_mask {list(mask.shape)} must be [clips, mel, frames] and "
+                                 "[clips, frames]")
+            features.append(clips)
+            masks.append(mask)
+    if not features:
+        return {}
+    frames = max(clips.shape[-1] for clips in features)
+    return {AUDIO[0]: torch.cat([torch.nn.functional.pad(clips, (0, frames - clips.shape[-1])) for clips in features]),
+            AUDIO[1]: torch.cat([torch.nn.functional.pad(mask, (0, frames - mask.shape[-1])) for mask in masks])}
 
 
 def _tensor(value: Any) -> torch.Tensor:

@@ -78,12 +78,14 @@ def _announce_on_init(original):
     return post_init
 
 
-def _switch_method(owner: Any, name: str, op: str, fast: Any) -> None:
-    """owner.name -> `fast` while the current config has `op` on, the original otherwise (a model's loss head
-    forward also enters the model's own scope when it is called past its hooks: scope.switch)."""
+def _switch_method(owner: Any, name: str, op: str, fast: Any, base: Any = None) -> None:
+    """owner.name -> `fast` while the current config has `op` on, `base` (default: the original) otherwise (a
+    model's loss head forward also enters the model's own scope when it is called past its hooks: scope.switch);
+    disable() restores the original."""
     if not _patches.is_patched(owner, name):
         head = op == "fused_linear_cross_entropy" and name == "forward"
-        _patches.set(owner, name, scope.switch(op, fast, getattr(owner, name), model_forward=head))
+        _patches.set(owner, name, scope.switch(op, fast, getattr(owner, name) if base is None else base,
+                                               model_forward=head))
 
 
 def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:

@@ -181,7 +181,7 @@ def sectioned_mrope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 tag("rope", sectioned_mrope_forward)
 
 
-def patch_family(family, module, switch_method: Callable[[Any, str, str, Callable], None],
+def patch_family(family, module, switch_method: Callable[..., None],
                  set_once: Callable[[Any, str, Any], None]) -> None:
     """Patch a family's vision attention classes, vision rope and VLM heads (names the installed release lacks
     are skipped), and packed rows' per-document positions. `switch_method(owner, name, op, fast)` is apply's
@@ -204,8 +204,9 @@ def patch_family(family, module, switch_method: Callable[[Any, str, str, Callabl
         switch_method(module, _SECTIONED_ROPE, "rope", sectioned_mrope_forward)
     for name in family.vlm_heads:
         cls = getattr(module, name, None)
-        if cls is not None:
-            switch_method(cls, "forward", "fused_linear_cross_entropy", vlm_head_forward(cls.forward))
+        if cls is not None:  # an Omni thinker's packed rows get their positions here, whether the loss is ours or not
+            base = packed_positions.packed_positions_forward(cls.forward) if family.audio_model else cls.forward
+            switch_method(cls, "forward", "fused_linear_cross_entropy", vlm_head_forward(base), base)
     packed_positions.patch_family(family, module, set_once)
 
 

@@ -10,6 +10,12 @@ images and videos), and HF receives the [4, batch, seq] positions it documents f
 from which its mask code builds the block-diagonal causal mask (the "mindspeed" attention runs it as packed
 sequences: TND on NPU). A document without images or videos keeps its text positions on all three rows, as HF
 expands them. Anything else goes to HF's forward untouched.
+
+The Omni thinkers get the same through their XForConditionalGeneration forward (the class every release calls
+first; where the positions are computed below it differs by release; the wrapper sits under the head's loss kernel,
+multimodal.patch_family): a document's audio clips are the next
+ones in order, as many as its audio-start tokens, their lengths from `feature_attention_mask`. A document without
+images or videos keeps its text positions, as HF's Omni rule gives audio tokens consecutive positions.
 """
 
 from __future__ import annotations
@@ -97,6 +103,25 @@ class _Grids:
         return self.grids[first:self.next], extra
 
 
+class _Clips:
+    """Hands out the frame counts of the next document's audio clips, in order (the Omni thinkers)."""
+
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        mask = arguments.get("feature_attention_mask")
+        lengths = mask.sum(-1) if isinstance(mask, torch.Tensor) else arguments.get("audio_feature_lengths")
+        self.lengths = lengths if arguments.get("input_features") is not None else None
+        self.next = 0
+
+    def take(self, count: int) -> torch.Tensor | None:
+        if count == 0 or self.lengths is None:
+            return None
+        if self.next + count > len(self.lengths):
+            raise ValueError(f"packed row: a document has {count} audio clips, but only "
+                             f"{len(self.lengths) - self.next} of the batch's clips are left")
+        self.next += count
+        return self.lengths[self.next - count:self.next]
+
+
 def packed_rope_positions(model: nn.Module, input_ids: torch.Tensor, text_positions: torch.Tensor,
                           arguments: dict[str, Any], spans: list[list[tuple[int, int]]] | None = None) -> torch.Tensor:
     """[4, batch, seq] positions for a packed batch: the text row, then every document's own M-RoPE rows from
@@ -110,22 +135,29 @@ def packed_rope_positions(model: nn.Module, input_ids: torch.Tensor, text_positi
     parameters = inspect.signature(model.get_rope_index).parameters
     token_types = arguments.get("mm_token_type_ids")
     images = _Grids(arguments.get("image_grid_thw"), merge)
-    videos = _Grids(arguments.get("video_grid_thw"), merge, arguments.get("second_per_grid_ts"))
+    seconds_given = arguments.get("second_per_grid_ts", arguments.get("video_second_per_grid"))
+    videos = _Grids(arguments.get("video_grid_thw"), merge, seconds_given)
+    clips = _Clips(arguments)
     if "mm_token_type_ids" in parameters and token_types is None:
         # HF's own rule without token types: no M-RoPE (Qwen2.5-VL falls back to the text positions)
         return torch.cat([text_positions.unsqueeze(0), rope])
-    # which tokens are image / video placeholders, read to the host once (not once per document)
-    image_flags, video_flags = torch.stack([input_ids == config.image_token_id,
-                                            input_ids == config.video_token_id]).tolist()
+    # which tokens are image / video placeholders and audio starts, read to the host once (not once per document)
+    audio_start = getattr(config, "audio_start_token_id", None) if clips.lengths is not None else None
+    image_flags, video_flags, audio_flags = torch.stack([
+        input_ids == config.image_token_id, input_ids == config.video_token_id,
+        input_ids == (-1 if audio_start is None else audio_start)]).tolist()
     for row, documents in enumerate(spans):
         for start, end in documents:
             ids = input_ids[row:row + 1, start:end]
             image_grids, _ = images.take(sum(image_flags[row][start:end]))
             video_grids, seconds = videos.take(sum(video_flags[row][start:end]))
+            audio_lengths = clips.take(sum(audio_flags[row][start:end]))
             if image_grids is None and video_grids is None:
                 continue
             given = {"input_ids": ids, "image_grid_thw": image_grids, "video_grid_thw": video_grids,
-                     "second_per_grid_ts": seconds, "attention_mask": None,
+                     "second_per_grid_ts": seconds, "second_per_grids": seconds,
+                     "attention_mask": torch.ones_like(ids),  # the whole document (Qwen3-Omni's rule needs a mask)
+                     "audio_seqlens": audio_lengths, "use_audio_in_video": bool(arguments.get("use_audio_in_video")),
                      "mm_token_type_ids": None if token_types is None else token_types[row:row + 1, start:end]}
             positions, _ = model.get_rope_index(**{k: v for k, v in given.items() if k in parameters})
             rope[:, row, start:end] = positions[:, 0].to(rope)
@@ -158,9 +190,10 @@ def packed_positions_forward(original: Callable) -> Callable:
 
 def patch_family(family, module, record: Callable[[Any, str, Any], None]) -> None:
     """Wrap the forward of every class of a Qwen-VL family's module that owns get_rope_index (a VLM entry with
-    its own vision tower: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe). `record(owner, name, value)` is the
+    its own vision tower: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe; an Omni thinker's heads are wrapped with
+    packed_positions_forward under their loss kernel, multimodal.patch_family). `record(owner, name, value)` is the
     patch engine's recorded setter, so disable() restores HF's forward."""
-    if not (family.vlm_heads and family.vision_model) or family.audio_model:  # Omni: audio positions, not here
+    if not (family.vlm_heads and family.vision_model) or family.audio_model:  # Omni: inside its heads (multimodal)
         return
     for cls in rope_index_owners(module):
         if not getattr(vars(cls).get("forward"), "_mindspeed_packed_positions", False):

@@ -1,6 +1,7 @@
 """FlatteningCollator and the per-document M-RoPE positions of packed rows (issue #26, multimodal packing).
 
-The parity check: the same 16 rows (images of different grids, rows without images; videos) trained 4 AdamW
+The parity check: the same 16 rows (images of different grids, rows without images; videos; for the Omni thinkers
+audio clips of different lengths, with and without images) trained 4 AdamW
 steps, 4 rows per step, packed into one row per batch by FlatteningCollator with mindspeed_hf enabled, against the
 same rows right-padded by a plain collator through plain HF (disabled) and through mindspeed_hf: fp32 losses per
 step within 1e-5, the first step's gradients within 1e-5. Torch and npu (stand-in)
@@ -15,6 +16,7 @@ import inspect
 
 import pytest
 import torch
+from tiny_omni import OMNI_TYPES, omni_rows, tiny_omni_thinker
 from tiny_vlms import IMAGE, VIDEO, pad_rows, tiny_vlm, vlm_rows
 from transformers import DataCollatorWithFlattening
 
@@ -30,7 +32,9 @@ ROWS, PER_STEP = 16, 4
 _NO_QWEN3_5 = pytest.mark.skipif(not hasattr(__import__("transformers"), "Qwen3_5ForConditionalGeneration"),
                                  reason="no Qwen3.5 in this transformers release")
 CASES = [("qwen2_5_vl", False), ("qwen2_5_vl", True), ("qwen3_vl", False), ("qwen3_vl", True),
-         pytest.param("qwen3_5", False, marks=_NO_QWEN3_5), pytest.param("qwen3_5_moe", True, marks=_NO_QWEN3_5)]
+         pytest.param("qwen3_5", False, marks=_NO_QWEN3_5), pytest.param("qwen3_5_moe", True, marks=_NO_QWEN3_5),
+         # the Omni thinkers: rows with audio clips and images, audio only, images only, neither
+         *((model_type, False) for model_type in OMNI_TYPES)]
 _models: dict[str, torch.nn.Module] = {}
 _references: dict[tuple[str, bool], dict] = {}
 
@@ -38,12 +42,13 @@ _references: dict[tuple[str, bool], dict] = {}
 def _model(model_type: str) -> torch.nn.Module:
     """A fresh copy of one tiny model per type (built once: building is the slow part)."""
     if model_type not in _models:
-        _models[model_type] = tiny_vlm(model_type)
+        _models[model_type] = tiny_omni_thinker(model_type) if model_type in OMNI_TYPES else tiny_vlm(model_type)
     return copy.deepcopy(_models[model_type])
 
 
 def _groups(model_type: str, videos: bool) -> list[list[dict]]:
-    rows = vlm_rows(_models.get(model_type) or _model(model_type), count=ROWS, videos=videos)
+    model = _models.get(model_type) or _model(model_type)
+    rows = omni_rows(model, count=ROWS) if model_type in OMNI_TYPES else vlm_rows(model, count=ROWS, videos=videos)
     return [rows[i:i + PER_STEP] for i in range(0, ROWS, PER_STEP)]
 
 
@@ -133,7 +138,7 @@ def _first_loss(model_type: str, batch: dict) -> float:
     return _model(model_type)(**batch).loss.item()
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", *OMNI_TYPES])
 def test_controls_without_per_document_positions(model_type, monkeypatch):
     """The parity above can fail: HF alone on the packed row (one sequence: no packed mask, text positions on the
     three rope rows), and the packed row with the packed mask but without the documents' M-RoPE positions (their
@@ -166,6 +171,22 @@ def test_rope_positions_restart_per_document():
     assert torch.equal(positions[1:, 0], torch.cat([expected[:, i, keep[i]] for i in range(len(rows))], dim=1))
 
 
+def test_audio_clips_follow_row_order_padded_to_the_longest():
+    """The Omni rows' clips are concatenated in row order, frames right-padded (features 0, mask 0); a row's one
+    clip may come as [mel, frames]."""
+    rows = omni_rows(_model("qwen2_5_omni_thinker"), count=4)
+    single = {**rows[3], "input_features": rows[3]["input_features"][0],
+              "feature_attention_mask": rows[3]["feature_attention_mask"][0]}
+    batch = FlatteningCollator()([*rows[:3], single])
+    clips = [(row["input_features"][i], row["feature_attention_mask"][i]) for row in rows
+             for i in range(len(row.get("feature_attention_mask", ())))]
+    assert batch["input_features"].shape == (len(clips), clips[0][0].shape[0], max(m.shape[0] for _, m in clips))
+    for (features, mask), got, got_mask in zip(clips, batch["input_features"], batch["feature_attention_mask"]):
+        n = mask.shape[0]
+        assert torch.equal(got[:, :n], features) and not got[:, n:].any()
+        assert torch.equal(got_mask[:n], mask) and not got_mask[n:].any()
+
+
 def test_text_fields_are_hf_collators_and_vision_fields_follow_row_order():
     rows = _groups("qwen2_5_vl", True)[0]
     options = dict(return_flash_attn_kwargs=True, return_seq_idx=True, separator_id=-7)
@@ -187,8 +208,11 @@ def test_text_fields_are_hf_collators_and_vision_fields_follow_row_order():
 
 def test_refusals():
     rows = _groups("qwen2_5_vl", False)[0]
-    with pytest.raises(ValueError, match="audio inputs .*input_features.* are not supported yet"):
+    with pytest.raises(ValueError, match="row 0 has input_features without feature_attention_mask"):
         FlatteningCollator()([{**rows[0], "input_features": torch.zeros(1, 16, 8)}])
+    with pytest.raises(ValueError, match=r"row 1: input_features \[2, 16, 8\] and feature_attention_mask \[2, 7\]"):
+        clip = {"input_features": torch.zeros(2, 16, 8), "feature_attention_mask": torch.ones(2, 7)}
+        FlatteningCollator()([rows[0], {**rows[1], **clip}])
     with pytest.raises(ValueError, match="return_position_ids=False with vision inputs"):
         FlatteningCollator(return_position_ids=False)(rows)
     with pytest.raises(ValueError, match="mm_token_type_ids is given for some rows"):
