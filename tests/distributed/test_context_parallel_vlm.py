@@ -1,5 +1,6 @@
 """Context parallelism through vision-language models: a plain Trainer script on a tiny Qwen2.5-VL and Qwen3-VL
-(rows with images of different grids, rows without; right-padded or packed), with the sizes only from
+(rows with images of different grids, rows without; right-padded or packed), and on the Omni thinkers (audio clips
+of different lengths too), with the sizes only from
 MINDSPEED_HF_CONFIG, equals a single plain-HF process on the same global batches: logged losses and grad norms
 over 3 clipped SGD steps and every parameter after them (vision tower included) within 1e-5. The reference is the
 rows right-padded (plain HF packs Qwen-VL rows wrongly: one sequence of 3-D positions across documents), so the
@@ -37,6 +38,9 @@ def _reference(root: Path, model: str, data: tuple[str, ...]) -> dict:
 
 
 STANDIN = Path(__file__).resolve().parents[1] / "npu_standin"
+_OMNI_CP = pytest.mark.skipif(not hasattr(__import__("transformers").models.qwen2_5_omni.modeling_qwen2_5_omni,
+                                          "Qwen2_5OmniThinkerModel"),
+                              reason="the Omni thinkers have a `model.language_model` from transformers 5.23 on")
 
 
 @pytest.mark.parametrize(("name", "model", "packed", "config", "nproc", "dp"), [
@@ -50,6 +54,11 @@ STANDIN = Path(__file__).resolve().parents[1] / "npu_standin"
     ("qwen2_5_vl_dp2_cp2_cp_vision", "qwen2_5_vl", False, "parallel: {cp: 2, cp_vision: true}\n", 4, 2),
     # the hybrid: a ring of 2 Ulysses pairs
     ("qwen3_vl_hybrid_packed", "qwen3_vl", True, "parallel: {cp: 4, cp_ulysses: 2}\n", 4, 1),
+    # the Omni thinkers: audio clips merged in too (transformers >= 5.23: their `model.language_model`)
+    pytest.param("qwen2_5_omni_ring_padded_npu", "qwen2_5_omni_thinker", False, "backend: npu\nparallel: {cp: 2}\n",
+                 2, 1, marks=_OMNI_CP),
+    pytest.param("qwen3_omni_ulysses_packed_cp_vision", "qwen3_omni_moe_thinker", True,
+                 "parallel: {cp: 2, cp_ulysses: 2, cp_vision: true}\n", 2, 1, marks=_OMNI_CP),
 ])
 def test_plain_trainer_on_a_vlm_with_cp_equals_one_process(root, name, model, packed, config, nproc, dp, monkeypatch):
     # dp > 1: rows with images only (every rank must run the FSDP2-sharded tower each step; see the README), and
@@ -57,7 +66,7 @@ def test_plain_trainer_on_a_vlm_with_cp_equals_one_process(root, name, model, pa
     # ranks' own means: HF's multi-process result, not one process's), on both sides. cp_vision at dp 1: videos too
     # (a video's frames are shared over the ranks like images; at dp > 1 a rank with videos would run the tower
     # once more than a rank without: the same FSDP2 limit).
-    videos = "cp_vision" in config and dp == 1
+    videos = "cp_vision" in config and dp == 1 and "omni" not in model
     data = (*(["--images-only", "--token-mean"] if dp > 1 else []), *(["--videos"] if videos else []))
     want = _reference(root, model, data)
     if "npu" in config:

@@ -1,5 +1,6 @@
 """Worker for tests/distributed/test_context_parallel_vlm.py: a plain transformers Trainer script, unchanged, on a tiny
-Qwen-VL model (rows with images of different grids, rows without), context parallelism from MINDSPEED_HF_CONFIG
+Qwen-VL model (rows with images of different grids, rows without) or Omni thinker (audio clips too: tests/tiny_omni),
+context parallelism from MINDSPEED_HF_CONFIG
 (torchrun, gloo, CPU, fp32), and its single-process plain-HF reference.
 
   reference (one process, plain HF, no kernels): Trainer on the global batch (GLOBAL rows per step).
@@ -21,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_vlms
 
+from tiny_omni import OMNI_TYPES, omni_rows, tiny_omni_thinker  # noqa: E402
 from tiny_vlms import pad_rows, tiny_vlm, vlm_rows  # noqa: E402
 from trainer_worker import recorder  # noqa: E402
 
@@ -48,10 +50,12 @@ def main() -> None:
 
     from mindspeed_hf.data import FlatteningCollator
 
-    model = tiny_vlm(opts.model)
+    omni = opts.model in OMNI_TYPES
+    model = tiny_omni_thinker(opts.model) if omni else tiny_vlm(opts.model)
     if opts.token_mean:
         model.accepts_loss_kwargs = True
-    rows = vlm_rows(model, count=2 * STEPS * GLOBAL, videos=opts.videos)
+    rows = omni_rows(model, count=2 * STEPS * GLOBAL) if omni else vlm_rows(model, count=2 * STEPS * GLOBAL,
+                                                                            videos=opts.videos)
     vision = ("pixel_values", "pixel_values_videos")
     rows = [row for row in rows if any(k in row for k in vision) or not opts.images_only][: STEPS * GLOBAL]
     args = TrainingArguments(output_dir=opts.out + ".dir", max_steps=STEPS, optim="sgd", learning_rate=0.5,

@@ -106,12 +106,18 @@ def test_explicit_attention_keeps_hf_audio_path(model_type):
 
 
 @pytest.mark.parametrize("model_type", TYPES)
-def test_context_parallel_refused_in_one_line(model_type):
+def test_context_parallel_checked_per_release(model_type):
+    """cp splits inside the thinker (tests/distributed/test_context_parallel_vlm.py) where it has a
+    `model.language_model` (transformers >= 5.23); before, one line refuses it."""
     from mindspeed_hf.parallel.context.model import check_context_parallel
 
-    with pytest.raises(ValueError, match=rf"parallel.cp: {model_type} has an audio tower; .* valid choices: "
-                                         r"parallel.cp=1") as error:
-        check_context_parallel(tiny_omni_thinker(model_type), ulysses=1)
+    model = tiny_omni_thinker(model_type)
+    if hasattr(model.model, "language_model"):
+        check_context_parallel(model, ulysses=2)
+        return
+    with pytest.raises(ValueError, match=rf"parallel.cp: {model_type} has no `model.language_model` .* valid "
+                                         r"choices: parallel.cp=1") as error:
+        check_context_parallel(model, ulysses=1)
     assert "\n" not in str(error.value)
 
 

@@ -179,14 +179,11 @@ def register_cp_attention() -> None:
 def check_context_parallel(hf_model: nn.Module, ulysses: int, vision: bool = False) -> None:
     """One-line errors, before any work, for a model whose attention cannot be split over the cp group."""
     config = hf_model.config
-    if getattr(config, "audio_config", None) is not None:
-        raise ValueError(f"parallel.cp: {config.model_type} has an audio tower; context parallelism through the Omni "
-                         "thinkers (audio merged into the text, their rope positions) is not tested yet; valid "
-                         "choices: parallel.cp=1 (dp_shard and ep work)")
     if getattr(config, "vision_config", None) is not None and language_model_of(hf_model) is None:
         raise ValueError(f"parallel.cp: {config.model_type} has no `model.language_model` to split the sequence in "
-                         "after the vision features are merged; valid choices: parallel.cp=1 (dp_shard, ep and tp "
-                         "work), or a text-only model")
+                         "after the vision (and audio) features are merged (the Omni thinkers have one from "
+                         "transformers 5.23 on); valid choices: parallel.cp=1 (dp_shard, ep and tp work), or a "
+                         "text-only model")
     if vision and vision_tower_of(hf_model) is None:
         raise ValueError(f"parallel.cp_vision=true: {config.model_type} has no Qwen-VL vision tower "
                          "(`model.visual`) to share over the cp ranks; valid choices: parallel.cp_vision=false")

@@ -1,5 +1,5 @@
-"""Context parallelism through vision-language models: the sequence is split inside the model, after the vision
-features are merged into the text.
+"""Context parallelism through vision-language models (and the Omni thinkers: audio merged in the same way): the
+sequence is split inside the model, after the vision and audio features are merged into the text.
 
 A multimodal batch cannot be split before the model: a rank would hold part of an image's placeholder tokens but
 all of its features. Under cp a vision-language model therefore gets the whole batch (split_cp_batch leaves
