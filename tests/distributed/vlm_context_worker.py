@@ -37,8 +37,9 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--packed", action="store_true", help="FlatteningCollator (rows packed into one)")
     parser.add_argument("--images-only", action="store_true",
-                        help="only the rows with images or videos: under dp_shard every rank must run the vision "
-                             "tower each step (FSDP2 gathers its blocks on every rank; a rank without any skips them)")
+                        help="only the rows with images or videos (Omni: with audio and images): under dp_shard "
+                             "every rank must run each tower each step (FSDP2 gathers its blocks on every rank; a "
+                             "rank without any skips them)")
     parser.add_argument("--videos", action="store_true", help="rows with videos too (tiny_vlms.vlm_rows)")
     parser.add_argument("--token-mean", action="store_true",
                         help="model.accepts_loss_kwargs = True: Qwen-VL declares False, so Trainer would average the "
@@ -57,7 +58,10 @@ def main() -> None:
     rows = omni_rows(model, count=2 * STEPS * GLOBAL) if omni else vlm_rows(model, count=2 * STEPS * GLOBAL,
                                                                             videos=opts.videos)
     vision = ("pixel_values", "pixel_values_videos")
-    rows = [row for row in rows if any(k in row for k in vision) or not opts.images_only][: STEPS * GLOBAL]
+    # an Omni thinker under FSDP2: every rank runs both towers each step, so rows with audio and images
+    media = (lambda row: "pixel_values" in row and "input_features" in row) if omni else (
+        lambda row: any(k in row for k in vision))
+    rows = [row for row in rows if media(row) or not opts.images_only][: STEPS * GLOBAL]
     args = TrainingArguments(output_dir=opts.out + ".dir", max_steps=STEPS, optim="sgd", learning_rate=0.5,
                              per_device_train_batch_size=GLOBAL // opts.dp, max_grad_norm=0.5, logging_steps=1,
                              report_to="none", disable_tqdm=True, seed=0, save_strategy="no",
@@ -81,9 +85,13 @@ def main() -> None:
         if opts.scenario == "sharded":
             from mindspeed_hf.trainers import run_of
 
-            dims = run_of(trainer).dims
+            dims = run_of(trainer).dims  # None: one process, no parallel sizes
             report = mindspeed_hf.report(trainer.model)
-            facts.update(cp=dims.cp, dp=dims.dp_size, ran=report["ran"], implementations=report["implementations"],
+            marked = {key: sum(hasattr(m, f"_mindspeed_{key}") for m in trainer.model.modules())
+                      for key in ("recompute", "offload")}  # modules selective recompute / offload wrapped
+            facts.update(cp=dims.cp if dims else 1, dp=dims.dp_size if dims else 1, ep=dims.ep if dims else 1,
+                         audio_kernels=report.get("audio_kernels"), memory=marked,
+                         ran=report["ran"], implementations=report["implementations"],
                          vision_implementation=report.get("vision_attention_implementation"),
                          vision_shared=getattr(model.model.visual, "_mindspeed_cp_vision", {}).get("shared", 0))
         with open(opts.out, "w") as f:
