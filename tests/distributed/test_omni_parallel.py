@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from child_runs import run_trainer_worker
+from child_runs import child_env, run_trainer_worker
 
 WORKER = Path(__file__).resolve().parent / "vlm_context_worker.py"
 TOL = 1e-5
@@ -52,3 +52,22 @@ def test_plain_trainer_on_an_omni_thinker_equals_one_process(root, name, model, 
     assert run["params"].keys() == want["params"].keys()
     worst = max((run["params"][n] - want["params"][n]).abs().max().item() for n in want["params"])
     assert worst <= TOL, worst
+
+
+def test_ranks_with_different_media_stop_in_one_line(root):
+    """Rows of mixed media (audio + images, audio only, images only, text only) dealt to 2 FSDP2 ranks: a rank
+    without some medium would skip its tower's collectives (gloo fails deep in the backward, NCCL hangs); the run
+    stops before the forward with one line naming each rank's media."""
+    import subprocess
+    import sys
+
+    (root / "mixed.yaml").write_text("parallel: {dp_shard: 2}\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
+           "sharded", "--model", "qwen2_5_omni_thinker", "--dp", "2", "--token-mean", "--out",
+           str(root / "mixed.json")]
+    proc = subprocess.run(cmd, env=child_env(auto=True, MINDSPEED_HF_CONFIG=str(root / "mixed.yaml")),
+                          capture_output=True, text=True, timeout=500)
+    assert proc.returncode != 0
+    line = "ValueError: parallel.dp_shard: this step's micro-batches carry different media on the ranks (rank 0: "
+    assert line in proc.stderr + proc.stdout, (proc.stderr + proc.stdout)[-3000:]
+    assert "Received data size" not in proc.stderr + proc.stdout
