@@ -63,3 +63,14 @@ def run_trainer_worker(worker: Path, root: Path, name: str, *args: str, config: 
         run_or_fail(torchrun(*cmd, nproc=nproc), child_env(auto=True, MINDSPEED_HF_CONFIG=str(root / f"{name}.yaml")),
                     name)
     return {**json.loads(out.read_text()), "params": torch.load(str(out) + ".pt"), "saved": str(out) + ".saved"}
+
+
+def assert_trained_alike(run: dict, want: dict, tol: float, steps: int = 3) -> None:
+    """Two run_trainer_worker results trained alike: `steps` logged losses and grad norms, and every parameter
+    after them, within `tol`."""
+    for key in ("losses", "grad_norms"):
+        assert len(run[key]) == len(want[key]) == steps, (key, run[key], want[key])
+        assert max(abs(a - b) for a, b in zip(run[key], want[key])) <= tol, (key, run[key], want[key])
+    assert run["params"].keys() == want["params"].keys()
+    worst = max((run["params"][n] - want["params"][n]).abs().max().item() for n in want["params"])
+    assert worst <= tol, worst

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from child_runs import child_env, run_trainer_worker
+from child_runs import assert_trained_alike, child_env, run_trainer_worker
 
 WORKER = Path(__file__).resolve().parent / "vlm_context_worker.py"
 TOL = 1e-5
@@ -46,12 +46,7 @@ def test_plain_trainer_on_an_omni_thinker_equals_one_process(root, name, model, 
         assert run["ran"]["experts"] > 0
     if "memory" in config:  # the thinker's text layers recompute their attention core and MLP and offload
         assert run["memory"]["recompute"] >= 2 * 2 and run["memory"]["offload"] >= 2, run["memory"]
-    for key in ("losses", "grad_norms"):
-        assert len(run[key]) == len(want[key]) == 3
-        assert max(abs(a - b) for a, b in zip(run[key], want[key])) <= TOL, (key, run[key], want[key])
-    assert run["params"].keys() == want["params"].keys()
-    worst = max((run["params"][n] - want["params"][n]).abs().max().item() for n in want["params"])
-    assert worst <= TOL, worst
+    assert_trained_alike(run, want, TOL)
 
 
 def test_ranks_with_different_media_stop_in_one_line(root):
