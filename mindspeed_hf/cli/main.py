@@ -18,10 +18,11 @@ from ..config import TRAIN_RECIPES
 USAGE = """mindspeed-hf <command> [options]
 
 commands:
-  train [CONFIG.yaml] [--recipe text|vl] [--metrics-file F] [--skip-quality-eval] [--resume_from_checkpoint [PATH]]
-        [--debug] [--<TrainingArguments key> VALUE ...]
+  train [CONFIG.yaml] [--recipe text|vl|omni] [--metrics-file F] [--skip-quality-eval]
+        [--resume_from_checkpoint [PATH]] [--debug] [--<TrainingArguments key> VALUE ...]
         SFT run from a YAML run description (no CONFIG: the embedded tiny default run; --recipe vl: the embedded
-        vision-language run, a tiny Qwen2.5-VL model on synthetic images, transformers >= 5); with
+        vision-language run, a tiny Qwen2.5-VL model on synthetic images, transformers >= 5; --recipe omni: the
+        embedded audio + vision run, a tiny Qwen2.5-Omni thinker on synthetic tones and images); with
         --resume_from_checkpoint it continues from PATH, or without PATH from the newest complete checkpoint
         in output_dir. Errors are one line (exit status 2); --debug shows the traceback
   env   device, versions and the kernel each op uses here, as a markdown table
@@ -110,7 +111,7 @@ def _one_line_errors(command: str, debug: bool, work: Callable[[], int]) -> int:
 
 
 def _check_recipe(recipe: str | None, config: str | None) -> str:
-    """The `--recipe` value checked (one line naming the valid choices); the VL recipe takes no CONFIG."""
+    """The `--recipe` value checked (one line naming the valid choices); the VL and Omni recipes take no CONFIG."""
     from ..config import TRAIN_RECIPES
 
     name = next(iter(TRAIN_RECIPES)) if recipe is None else recipe
@@ -122,16 +123,22 @@ def _check_recipe(recipe: str | None, config: str | None) -> str:
     return name
 
 
-def _train_vl(overrides: list[str], metrics_file: str | None, quality_eval: bool, run_state: dict[str, str]) -> int:
-    """`mindspeed-hf train --recipe vl`: its TrainingArguments first (bad values fail before any model)."""
+def _train_media(recipe: str, overrides: list[str], metrics_file: str | None, quality_eval: bool,
+                 run_state: dict[str, str]) -> int:
+    """`mindspeed-hf train --recipe vl|omni`: its TrainingArguments first (bad values fail before any model)."""
     _enable()
     from .train import check_resume
-    from .vl_recipe import run_vl_training, vl_training_args
 
-    args = vl_training_args(overrides)
+    if recipe == "vl":
+        from .vl_recipe import run_vl_training as run
+        from .vl_recipe import vl_training_args as training_args
+    else:
+        from .omni_recipe import omni_training_args as training_args
+        from .omni_recipe import run_omni_training as run
+    args = training_args(overrides)
     check_resume(args)
     run_state["output_dir"] = str(args.output_dir)
-    run_vl_training(args, metrics_file=metrics_file, quality_eval=quality_eval)
+    run(args, metrics_file=metrics_file, quality_eval=quality_eval)
     return 0
 
 
@@ -219,8 +226,9 @@ def cmd_train(argv: list[str]) -> int:
     run_state: dict[str, str] = {}
 
     def work() -> int:
-        if _imports(config, own.recipe, not wants_third_party_output(own.debug, overrides)) == "vl":
-            return _train_vl(overrides, own.metrics_file, not own.skip_quality_eval, run_state)
+        recipe = _imports(config, own.recipe, not wants_third_party_output(own.debug, overrides))
+        if recipe != "text":
+            return _train_media(recipe, overrides, own.metrics_file, not own.skip_quality_eval, run_state)
         return _train_text(config, overrides, own, run_state)
 
     try:

@@ -23,13 +23,15 @@ def _listed(kernels: dict[str, int]) -> str:
 def applied(report: dict[str, Any]) -> str:
     """What report(model) says ran, as one phrase: report()["ran"] (op -> executions of our kernels) when the
     report has it, else the patched sites per op (report()["kernels"]); then what it says was kept (`kept`: an op
-    left to another implementation, and why) and a vision tower's own kernels."""
+    left to another implementation, and why) and a vision tower's and an audio tower's own kernels."""
     ran = report.get("ran")
     text = f"kernel calls {_listed(ran)}" if ran and _listed(ran) else _listed(report["kernels"])
     kept = "; ".join(f"{op}: {why}" for op, why in (report.get("kept") or {}).items())
     vision = _listed(report.get("vision_kernels") or {})
-    parts = [text or ("no text kernel" if vision else "")]
+    audio = _listed(report.get("audio_kernels") or {})
+    parts = [text or ("no text kernel" if vision or audio else "")]
     parts += [f"vision tower: {vision}"] if vision else []
+    parts += [f"audio tower: {audio}"] if audio else []
     parts += [f"kept: {kept}"] if kept else []
     return "; ".join(p for p in parts if p) or "nothing"
 

@@ -14,6 +14,7 @@ labels are -100 on the prompt, the image and vision-special tokens and the paddi
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,25 +54,28 @@ class PatchLayout:
         return t * h * w // self.merge_size**2
 
 
-def words() -> list[str]:
-    """The word-level vocabulary: special tokens first, then every word of the questions and answers."""
-    vocab = [*SPECIALS]
-    for text in (*QUESTIONS.values(), *COLOURS, *POSITIONS):
+def words(specials: Sequence[str] = SPECIALS, texts: Iterable[str] | None = None) -> list[str]:
+    """The word-level vocabulary: `specials` first, then every word of `texts` (default: the questions and answers
+    of the VL data)."""
+    vocab = [*specials]
+    for text in (texts if texts is not None else (*QUESTIONS.values(), *COLOURS, *POSITIONS)):
         vocab += [w for w in text.split() if w not in vocab]
     return vocab
 
 
-def make_tokenizer() -> Any:
-    """A whitespace word-level tokenizer (PreTrainedTokenizerFast) over `words()`; saved with the checkpoint."""
+def make_tokenizer(specials: Sequence[str] = SPECIALS, texts: Iterable[str] | None = None) -> Any:
+    """A whitespace word-level tokenizer (PreTrainedTokenizerFast) over `words(specials, texts)`; saved with the
+    checkpoint. `specials` start with pad, unk, bos and eos; the rest are its additional special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words())}, unk_token="<unk>"))
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words(specials, texts))},
+                                         unk_token=specials[1]))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
-                                   bos_token="<bos>", eos_token="<eos>",
-                                   additional_special_tokens=[VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD])
+    pad, unk, bos, eos, *extra = specials
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, unk_token=unk, bos_token=bos,
+                                   eos_token=eos, additional_special_tokens=extra)
 
 
 def draw(colour: str, shape: str, position: str, size: int, rng: random.Random) -> torch.Tensor:
@@ -123,6 +127,13 @@ def patchify(image: torch.Tensor, layout: PatchLayout) -> tuple[torch.Tensor, tu
     return x.reshape(gh * gw, channels * tp * p * p).contiguous(), (1, gh, gw)
 
 
+def with_answer(prompt: list[int], answer: str, tokenizer: Any) -> dict[str, list[int]]:
+    """`input_ids`: `prompt`, then the answer's tokens and EOS; `labels`: -100 on the prompt, then the answer's
+    tokens and EOS (the loss on the answer only)."""
+    target = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return {"input_ids": prompt + target, "labels": [IGNORE_INDEX] * len(prompt) + target}
+
+
 def encode_vl(row: dict[str, Any], tokenizer: Any, layout: PatchLayout,
               with_mm_token_types: bool = True) -> dict[str, Any]:
     """One training example: `<bos> <|vision_start|> <|image_pad|> x N <|vision_end|> question` then the answer and
@@ -132,9 +143,8 @@ def encode_vl(row: dict[str, Any], tokenizer: Any, layout: PatchLayout,
     ids = tokenizer.convert_tokens_to_ids
     prompt = ([tokenizer.bos_token_id, ids(VISION_START)] + [ids(IMAGE_PAD)] * layout.tokens(grid)
               + [ids(VISION_END)] + tokenizer(row["question"], add_special_tokens=False)["input_ids"])
-    answer = tokenizer(row["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    out = {"input_ids": prompt + answer, "labels": [IGNORE_INDEX] * len(prompt) + answer,
-           "pixel_values": pixels, "image_grid_thw": torch.tensor([grid])}
+    out = {**with_answer(prompt, row["answer"], tokenizer), "pixel_values": pixels,
+           "image_grid_thw": torch.tensor([grid])}
     if with_mm_token_types:
         out["mm_token_type_ids"] = [int(t == ids(IMAGE_PAD)) for t in out["input_ids"]]
     return out

@@ -39,6 +39,8 @@ TRAIN_RECIPES = {
     "text": "the embedded text run (a tiny Qwen3 model learns list operations), or the run a CONFIG.yaml describes",
     "vl": "the embedded vision-language run: a tiny Qwen2.5-VL model learns to answer questions about synthetic "
           "images (the colour and the quadrant of a shape); needs transformers >= 5",
+    "omni": "the embedded audio + vision + text run: a tiny Qwen2.5-Omni thinker learns to answer questions about "
+            "a synthetic audio clip (the pitch and the length of a tone) and a synthetic image",
 }
 
 

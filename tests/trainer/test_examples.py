@@ -60,3 +60,16 @@ def test_vlm_example_same_losses_with_and_without_accelerator(trainer, tmp_path)
                                                fast["report"].get("vision_kernels", {}).items()}}
     for op in (*KERNELS, *(k for k in applied if k.startswith("vision "))):
         assert applied[op] > 0, f"{op} not applied to the VLM: {fast['report']}"
+
+
+@pytest.mark.skipif(not _vl_forward_takes_mm_token_types(),
+                    reason="the Omni example needs transformers >= 5 (its tiny config's rope_parameters)")
+def test_omni_thinker_example_same_losses_with_and_without_accelerator(tmp_path):
+    """examples/omni/sft_omni_thinker.py (audio + image + text rows): plain HF's losses, and the kernels of the text
+    model, the vision tower and the audio tower applied."""
+    _, fast = _same_losses("omni/sft_omni_thinker.py", tmp_path)
+    report = fast["report"]
+    assert fast["enabled"] and report["model_type"] == "qwen2_5_omni_thinker"
+    for op in KERNELS:
+        assert report["kernels"][op] > 0, f"{op} not applied to the thinker: {report}"
+    assert report["vision_kernels"]["attention"] > 0 and report["audio_kernels"]["attention"] > 0, report
