@@ -18,9 +18,9 @@ from .. import compat
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS, register_attention, unregister_attention
-from . import experts, forwards, linear_attention, multimodal, quantized, scope, third_party
+from . import experts, forwards, linear_attention, multimodal, quantized, scope, talker, third_party
 from .engine import PatchSet
-from .families import FAMILIES, ModelFamily
+from .families import FAMILIES, ModelFamily, family_for
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -148,6 +148,7 @@ def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
             _switch_method(cls, "forward", "fused_linear_cross_entropy", causal_lm.laid_out_as(cls.forward))
     multimodal.patch_family(family, module, _switch_method, _set_once)
     linear_attention.patch_family(family, module, _switch_method)
+    talker.patch_family(family, module, _switch_method)
 
 
 def _set_once(owner: Any, name: str, value: Any) -> None:
@@ -243,7 +244,9 @@ def find_hf_model(model: nn.Module) -> nn.Module | None:
 
 def family_of(model: nn.Module) -> ModelFamily | None:
     hf_model = find_hf_model(model)
-    return None if hf_model is None else FAMILIES.get(getattr(hf_model.config, "model_type", None))
+    if hf_model is None:
+        return None
+    return family_for(getattr(hf_model.config, "model_type", None), tuple(c.__name__ for c in type(hf_model).__mro__))
 
 
 def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> dict[str, Any]:
@@ -329,6 +332,9 @@ def report(model: nn.Module) -> dict[str, Any]:
     if family is not None and is_enabled():
         module = _modeling(family)
         text_attention = multimodal.text_attention_sites(family, module, hf_model, FAMILIES, _modeling)
+        rope_ours = getattr(getattr(module, "apply_rotary_pos_emb", None), "_mindspeed_op", None) == "rope"
+        text_attention.update({getattr(module, name): rope_ours for name in family.more_attention
+                               if hasattr(module, name)})
         vision_ids, vision_attention, vision_rope = multimodal.vision_sites(family, module, hf_model)
         audio_ids = multimodal.tower_modules(module, hf_model, family.audio_model)
         mrope = {getattr(module, cls): getattr(getattr(module, fn), "_mindspeed_op", None) == "rope"
@@ -367,7 +373,8 @@ def report(model: nn.Module) -> dict[str, Any]:
     token = registry.use_backend(None if config is None or config.backend == "auto" else config.backend)
     try:
         return {
-            "model_type": getattr(getattr(hf_model, "config", None), "model_type", None),
+            "model_type": family.model_type if family is not None else getattr(getattr(hf_model, "config", None),
+                                                                                "model_type", None),
             "backend": registry.resolve_backend(device),
             "kernels": counts,
             "implementations": {op: registry.implementation(op, device) for op in (*_OPS, "add_rms_norm",

@@ -48,6 +48,14 @@ class ModelFamily:
     attention_interface: bool = False
     gated_rms_norm: str = ""
     text_models: tuple[str, ...] = ()
+    # Omni talkers (patches/talker.py): the XTalkerForConditionalGeneration classes whose codec labels get the fused
+    # loss on `codec_head`, the code predictors whose heads each score their own codebook, further attention classes
+    # of the family's decoders on the module's apply_rotary_pos_emb (counted with the text ones), and top-level
+    # classes found by name where the config's model_type is not the key (Qwen3-Omni's talker config has "").
+    talker_heads: tuple[str, ...] = ()
+    code_predictors: tuple[str, ...] = ()
+    more_attention: tuple[str, ...] = ()
+    model_classes: tuple[str, ...] = ()
 
     @property
     def modeling_module(self) -> str:
@@ -159,9 +167,30 @@ FAMILIES: dict[str, ModelFamily] = {
              swiglu_mlp=("Qwen3OmniMoeThinkerTextMLP",), experts=("Qwen3OmniMoeThinkerTextExperts",),
              vlm_heads=("Qwen3OmniMoeThinkerForConditionalGeneration",), vision_model="Qwen3OmniMoeVisionEncoder",
              audio_model="Qwen3OmniMoeAudioEncoder", audio_attention=("Qwen3OmniMoeAudioAttention",)),
+        # The Omni talkers: the decoders under the codec heads, on the same kernels (the classes they share with the
+        # thinker are patched once); the codec labels' loss fused (Qwen2.5-Omni's HF forward has none).
+        _dense("qwen2_5_omni_talker", "Qwen2_5Omni", module="qwen2_5_omni", causal_lm=(), decoder_layer="",
+               swiglu_mlp=("Qwen2MLP",), talker_heads=("Qwen2_5OmniTalkerForConditionalGeneration",)),
+        # Qwen3-Omni's: MoE layers with a shared expert; its code predictor (dense, 1-D rope) in the same module
+        _dense("qwen3_omni_moe_talker", "Qwen3OmniMoe", module="qwen3_omni_moe", causal_lm=(), decoder_layer="",
+               pretrained="Qwen3OmniMoeThinkerTextPreTrainedModel", attention="Qwen3OmniMoeThinkerTextAttention",
+               rms_norm=("Qwen3OmniMoeThinkerTextRMSNorm", "Qwen3OmniMoeTextRMSNorm", "Qwen3OmniMoeRMSNorm"),
+               swiglu_mlp=("Qwen3OmniMoeTalkerTextMLP", "Qwen3OmniMoeMLP"), experts=("Qwen3OmniMoeTalkerTextExperts",),
+               talker_heads=("Qwen3OmniMoeTalkerForConditionalGeneration",),
+               code_predictors=("Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration",),
+               more_attention=("Qwen3OmniMoeTalkerCodePredictorAttention",),
+               model_classes=("Qwen3OmniMoeTalkerForConditionalGeneration",)),
         _vlm("llava", "Llava", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,
              vision_attention=(), text_from_config=True),
         _vlm("internvl", "InternVL", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,
              vision_attention=(), text_from_config=True),
     )
 }
+
+
+def family_for(model_type: str | None, classes: tuple[str, ...] = ()) -> ModelFamily | None:
+    """The entry for a model: by its config's model_type, else by the name of its class or a base class."""
+    family = FAMILIES.get(model_type)
+    if family is None and classes:
+        family = next((f for f in FAMILIES.values() if f.model_classes and set(f.model_classes) & set(classes)), None)
+    return family

@@ -123,9 +123,10 @@ _leave._mindspeed_scope = True
 
 
 def _scoped_modules(hf_model: nn.Module) -> list[nn.Module]:
-    """The model, its backbone (TRL calls it directly), and every decoder layer's direct children: activation
-    checkpointing reruns a layer's forward body in backward (transformers 5 checkpoints `forward`, outside the
-    layer's own hooks), and the children's hooks run again there."""
+    """The model, its backbone (TRL calls it directly), nested loss heads (called on their own: Qwen3-Omni's code
+    predictor), and every decoder layer's direct children: activation checkpointing reruns a layer's forward body in
+    backward (transformers 5 checkpoints `forward`, outside the layer's own hooks), and the children's hooks run
+    again there."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     found = {id(hf_model): hf_model}
@@ -133,6 +134,9 @@ def _scoped_modules(hf_model: nn.Module) -> list[nn.Module]:
     if isinstance(base, nn.Module):
         found.setdefault(id(base), base)
     for module in hf_model.modules():
+        head = getattr(type(module).forward, "_mindspeed_op", None) == "fused_linear_cross_entropy"
+        if head and module is not hf_model:
+            found.setdefault(id(module), module)
         if isinstance(module, GradientCheckpointingLayer):
             for child in (module, *module.children()):
                 found.setdefault(id(child), child)
