@@ -150,6 +150,10 @@ SEAMS: tuple[Seam, ...] = (
          "a model built on the meta device from its config before sharded loading (parallel/loading.py; "
          "PreTrainedModel has no public from_config, only the Auto classes)", owner="transformers.PreTrainedModel",
          feature="sharded loading (parallel/loading.py)"),
+    Seam("Qwen2_5OmniAudioEncoder._get_feat_extract_output_lengths", "object",
+         "the Omni recipe counts a clip's audio placeholder tokens by the audio tower's own length rule "
+         "(cli/omni_data.py)", owner="transformers.models.qwen2_5_omni.modeling_qwen2_5_omni.Qwen2_5OmniAudioEncoder",
+         feature="mindspeed-hf train --recipe omni (cli/omni_data.py)"),
     Seam("PreTrainedModel._init_weights", "object",
          "recomputes non-persistent buffers (rotary inv_freq) after meta init (parallel/loading.py)",
          owner="transformers.PreTrainedModel", feature="sharded loading (parallel/loading.py)"),
