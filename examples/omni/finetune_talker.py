@@ -143,6 +143,21 @@ class TalkerFinetune(nn.Module):
         return {"loss": loss, "logits": logits}
 
 
+def save_talker(trainer: Trainer, talker: nn.Module, output_dir: str) -> None:
+    """The talker as a checkpoint `from_pretrained` loads; sharded (FSDP2 under torchrun) its full weights are
+    gathered first and rank 0 writes them."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in talker.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(talker, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if trainer.is_world_process_zero():
+            talker.save_pretrained(output_dir, state_dict=state)
+    elif trainer.is_world_process_zero():
+        talker.save_pretrained(output_dir)
+
+
 def main() -> None:
     parser = HfArgumentParser((TalkerArguments, TrainingArguments))
     parser.set_defaults(**{**QUICK_DEFAULTS, "max_steps": 30, "learning_rate": 3e-3})
@@ -152,7 +167,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=synthetic_rows(example.num_examples),
                       data_collator=collate, callbacks=[LossLogger(out)])
     trainer.train()
-    model.talker.save_pretrained(args.output_dir)  # loads with Qwen2_5OmniTalkerForConditionalGeneration
+    save_talker(trainer, model.talker, args.output_dir)  # loads with Qwen2_5OmniTalkerForConditionalGeneration
     emit_report(out, model.talker)
 
 
