@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..data import pad_audio_clips
 from .vl_data import (
     COLOURS,
     POSITIONS,
@@ -126,10 +127,6 @@ class OmniCollator(VLCollator):
     def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         out = super().__call__(batch)
         clips = [torch.as_tensor(x["input_features"], dtype=torch.float32) for x in batch]
-        frames = max(c.shape[1] for c in clips)
-        out["input_features"] = torch.zeros(len(clips), clips[0].shape[0], frames)
-        out["feature_attention_mask"] = torch.zeros(len(clips), frames, dtype=torch.long)
-        for i, clip in enumerate(clips):
-            out["input_features"][i, :, :clip.shape[1]] = clip
-            out["feature_attention_mask"][i, :clip.shape[1]] = 1
+        out.update(pad_audio_clips([{"input_features": clip, "feature_attention_mask": torch.ones(
+            clip.shape[-1], dtype=torch.long)} for clip in clips]))
         return out

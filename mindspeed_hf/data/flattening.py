@@ -99,7 +99,7 @@ class FlatteningCollator:
             parts = [_tensor(row[key]) for row in rows if row.get(key) is not None]
             if parts:
                 batch[key] = torch.cat(parts)
-        batch.update(_audio_clips(rows))
+        batch.update(pad_audio_clips(rows))
         vision = any(key in batch for key in ("pixel_values", "pixel_values_videos", "input_features"))
         if vision and not self.return_position_ids:
             raise ValueError("FlatteningCollator: return_position_ids=False with vision inputs: the model could not "
@@ -107,9 +107,11 @@ class FlatteningCollator:
         return batch
 
 
-def _audio_clips(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """The rows' audio clips in row order: `input_features` [clips, mel, frames] and `feature_attention_mask`
-    [clips, frames], frames right-padded to the longest clip (features 0, mask 0)."""
+def pad_audio_clips(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """The rows' audio clips in row order, as a processor pads a batch: `input_features` [clips, mel, frames] and
+    `feature_attention_mask` [clips, frames], frames right-padded to the longest clip (features 0, mask 0); each
+    row gives both fields ([clips, mel, frames] and [clips, frames], or one clip's [mel, frames] and [frames]) or
+    neither. {} when no row has audio."""
     features, masks = [], []
     for index, row in enumerate(rows):
         given = [row.get(key) is not None for key in AUDIO]

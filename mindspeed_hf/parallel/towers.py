@@ -8,7 +8,7 @@ no image therefore skips collectives another rank runs: gloo fails with "Receive
 size" deep in the backward, NCCL hangs.
 
 `check_media_per_step` turns that into one clear error before the forward: a pre-hook on the model takes which
-media the local batch has, compares them over the ranks (one small all-reduce), and when they differ every rank
+media the local batch has, compares them over the ranks (one small all-gather), and when they differ every rank
 raises the same ValueError, naming the step's media per rank and what to do. (Keeping every rank in step instead,
 with tower calls on zero inputs where a rank lacks a medium, also needs the embeddings' and the towers' backward
 collectives in one order on every rank: not done yet.)

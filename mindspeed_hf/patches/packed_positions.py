@@ -13,9 +13,9 @@ expands them. Anything else goes to HF's forward untouched.
 
 The Omni thinkers get the same through their XForConditionalGeneration forward (the class every release calls
 first; where the positions are computed below it differs by release; the wrapper sits under the head's loss kernel,
-multimodal.patch_family): a document's audio clips are the next
-ones in order, as many as its audio-start tokens, their lengths from `feature_attention_mask`. A document without
-images or videos keeps its text positions, as HF's Omni rule gives audio tokens consecutive positions.
+multimodal.patch_family): a document's audio clips are the next ones in order, as many as its audio-start tokens,
+their lengths from `feature_attention_mask`. A document without images or videos keeps its text positions, as HF's
+Omni rule gives audio tokens consecutive positions.
 """
 
 from __future__ import annotations
