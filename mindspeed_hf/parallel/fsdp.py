@@ -2,7 +2,10 @@
 
 Groups, bottom-up (the torchtitan / accelerate layout):
 
-1. each decoder layer (classes named in ``_no_split_modules``), with forward/backward prefetch;
+1. each decoder layer (classes named in ``_no_split_modules``), with forward/backward prefetch; a code
+   predictor that its model lists there whole (Qwen3-Omni's talker) is split into its decoder layers, so its
+   embedding tables stay in the root group: a training script embeds each frame's codebooks with them outside the
+   predictor's forward, as generate does;
 2. the input embeddings;
 3. the tail, final norm + ``lm_head`` as one group with ``reshard_after_forward=False`` so a fused
    loss can read ``lm_head.weight`` after the forward;
@@ -30,6 +33,7 @@ from torch.distributed.fsdp import (
 )
 
 from ..patches import quantized
+from ..patches.families import FAMILIES
 
 __all__ = [
     "apply_fsdp",
@@ -69,10 +73,22 @@ def _no_split_class_names(model: nn.Module) -> set[str]:
     return names
 
 
+def _default_units(model: nn.Module) -> set[str]:
+    """``_no_split_modules`` with every code predictor of the families (module docstring) replaced by the classes
+    of its decoder layers."""
+    names = _no_split_class_names(model)
+    predictors = {name for family in FAMILIES.values() for name in family.code_predictors} & names
+    for module in model.modules():
+        if type(module).__name__ in predictors:
+            names.update(type(layer).__name__ for layer in module.model.layers)
+    return names - predictors
+
+
 def find_decoder_layers(model: nn.Module, class_names: Iterable[str] | None = None) -> list[nn.Module]:
-    """Modules whose class is named in ``class_names`` (default: ``_no_split_modules``), outermost matches, in
-    model order. A given name that no module of the model has is an error naming the valid ones."""
-    names = set(class_names) if class_names is not None else _no_split_class_names(model)
+    """Modules whose class is named in ``class_names`` (default: ``_no_split_modules``, code predictors by their
+    layers), outermost matches, in model order. A given name that no module of the model has is an error naming the
+    valid ones."""
+    names = set(class_names) if class_names is not None else _default_units(model)
     if class_names is not None:
         present = {type(m).__name__ for m in model.modules()}
         if names - present:

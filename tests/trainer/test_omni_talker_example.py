@@ -1,6 +1,8 @@
 """examples/omni/finetune_talker.py: the Qwen2.5-Omni talker fine-tuning script runs unmodified under mindspeed_hf
 (fused loss on codec_head, decoder kernels reported and run), logs the per-step losses of the same script on plain
-HF, the loss falls, and the saved talker loads with from_pretrained and runs."""
+HF, the loss falls, and the saved talker loads with from_pretrained and runs; under torchrun with FSDP2 it equals the
+single process. `--talker qwen3_omni_moe` (MoE talker + code predictor): equal to plain HF, and under torchrun with
+`parallel: {dp_shard: 2, ep: 2}` equal to the single process, checkpoint included."""
 
 from __future__ import annotations
 
@@ -62,23 +64,63 @@ def test_fsdp2_on_two_ranks_equals_one_process(runs):
     """The same script under torchrun with `parallel: {dp_shard: 2}` from MINDSPEED_HF_CONFIG (the talker sharded
     by FSDP2, half the rows per rank): per-step losses equal the single process's, our kernels ran, and the gathered
     checkpoint loads with from_pretrained and equals it."""
+    from transformers import Qwen2_5OmniTalkerForConditionalGeneration
+
+    lines = _torchrun_example(runs["tmp"] / "fsdp2", "parallel: {dp_shard: 2}\n")
+    torch.testing.assert_close(torch.tensor(_losses(lines)), torch.tensor(_losses(runs[True])), atol=1e-5, rtol=0)
+    assert lines[-1]["report"]["ran"]["fused_linear_cross_entropy"] == STEPS
+    _same_weights(Qwen2_5OmniTalkerForConditionalGeneration, runs["tmp"] / "fsdp2" / "out",
+                  runs["tmp"] / "True" / "out", atol=1e-5, rtol=1e-4)
+
+
+def _torchrun_example(tmp, config: str, *flags: str) -> list[dict]:
+    """The script under torchrun (2 ranks, 4 rows each) with `config` as MINDSPEED_HF_CONFIG: its JSON lines."""
     import json
 
     from child_runs import torchrun
     from conftest import EXAMPLES, run
-    from transformers import Qwen2_5OmniTalkerForConditionalGeneration
 
-    tmp = runs["tmp"] / "fsdp2"
     tmp.mkdir()
-    (tmp / "parallel.yaml").write_text("parallel: {dp_shard: 2}\n")
+    (tmp / "parallel.yaml").write_text(config)
     out = tmp / "losses.jsonl"
     run(torchrun(str(EXAMPLES / "omni" / "finetune_talker.py"), "--max_steps", str(STEPS), "--output_dir",
-                 str(tmp / "out"), "--losses_file", str(out), "--per_device_train_batch_size", "4"), auto=True,
-        MINDSPEED_HF_CONFIG=str(tmp / "parallel.yaml"))
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    torch.testing.assert_close(torch.tensor(_losses(lines)), torch.tensor(_losses(runs[True])), atol=1e-5, rtol=0)
-    assert lines[-1]["report"]["ran"]["fused_linear_cross_entropy"] == STEPS
-    sharded = Qwen2_5OmniTalkerForConditionalGeneration.from_pretrained(tmp / "out")
-    single = Qwen2_5OmniTalkerForConditionalGeneration.from_pretrained(runs["tmp"] / "True" / "out")
-    for (name, got), want in zip(sharded.state_dict().items(), single.state_dict().values()):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+                 str(tmp / "out"), "--losses_file", str(out), "--per_device_train_batch_size", "4", *flags),
+        auto=True, MINDSPEED_HF_CONFIG=str(tmp / "parallel.yaml"))
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _same_weights(model_class, got, want, atol: float, rtol: float) -> None:
+    got, want = model_class.from_pretrained(got), model_class.from_pretrained(want)
+    for (name, a), b in zip(got.state_dict().items(), want.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_qwen3_talker_and_code_predictor_under_ep(tmp_path_factory):
+    """Qwen3-Omni: the talker's codec loss plus the code predictor's per-codebook loss. Accelerated equals plain HF
+    per step (HF's own labels paths are unusable here: the script scores plain HF from its logits), the loss falls;
+    under torchrun with dp_shard 2 x ep 2 (2 experts per rank, the code predictor's layers sharded, its tables in
+    the root group) the losses and the gathered checkpoint equal the single process's."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeTalkerForConditionalGeneration as Talker,
+    )
+
+    tmp = tmp_path_factory.mktemp("qwen3_talker")
+    flags = ("--talker", "qwen3_omni_moe", "--max_steps", str(STEPS))
+    single = {}
+    for auto in (True, False):
+        (tmp / str(auto)).mkdir()
+        single[auto] = run_example("omni/finetune_talker.py", tmp / str(auto), auto, *flags)
+    accelerated = _losses(single[True])
+    torch.testing.assert_close(torch.tensor(accelerated), torch.tensor(_losses(single[False])), atol=1.5e-4, rtol=0)
+    assert sum(accelerated[-5:]) / 5 < accelerated[0] - 1.5
+    report = single[True][-1]["report"]
+    assert report["model_type"] == "qwen3_omni_moe_talker"
+    # the talker's head and the code predictor's 3 heads each step; the experts kernel in both MoE layers
+    assert report["ran"]["fused_linear_cross_entropy"] == 4 * STEPS and report["ran"]["experts"] == 2 * STEPS
+    _same_weights(Talker, tmp / "True" / "out", tmp / "False" / "out", atol=2e-4, rtol=1e-3)
+
+    lines = _torchrun_example(tmp / "ep", "parallel: {dp_shard: 2, ep: 2}\n", "--talker", "qwen3_omni_moe")
+    torch.testing.assert_close(torch.tensor(_losses(lines)), torch.tensor(accelerated), atol=1e-5, rtol=0)
+    assert lines[-1]["report"]["ran"]["experts"] == 2 * STEPS  # EP's dispatch runs the local experts
+    # (AdamW over 20 steps: a gradient summed in another order moves a near-zero one's update; seen 2e-5)
+    _same_weights(Talker, tmp / "ep" / "out", tmp / "True" / "out", atol=5e-5, rtol=1e-3)
