@@ -90,6 +90,7 @@ def main() -> None:
             marked = {key: sum(hasattr(m, f"_mindspeed_{key}") for m in trainer.model.modules())
                       for key in ("recompute", "offload")}  # modules selective recompute / offload wrapped
             facts.update(cp=dims.cp if dims else 1, dp=dims.dp_size if dims else 1, ep=dims.ep if dims else 1,
+                         replicate=dims.dp_replicate if dims else 1,
                          audio_kernels=report.get("audio_kernels"), memory=marked,
                          ran=report["ran"], implementations=report["implementations"],
                          vision_implementation=report.get("vision_attention_implementation"),
