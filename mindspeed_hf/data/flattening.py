@@ -50,7 +50,8 @@ def _hf_collator_class() -> type:
 class FlatteningCollator:
     """Pack a batch of rows into one row without padding, vision inputs included (see the module docstring).
 
-    Each row (feature) is a mapping with a 1-D `input_ids` (list or tensor), optionally `labels` (the same length;
+    Each row (feature) is a mapping with a 1-D `input_ids` (list or tensor; a processor's one-example output,
+    [1, tokens] text fields, is taken as its row), optionally `labels` (the same length;
     without it the labels are the input ids, as HF does), `mm_token_type_ids` (the same length), and the vision
     tensors of its own images / videos: `pixel_values` [patches, dim], `image_grid_thw` [images, 3],
     `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`. Other keys (e.g. `attention_mask`) are dropped,
@@ -87,7 +88,8 @@ class FlatteningCollator:
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """One packed row: HF's flattened text fields, then the vision fields of the rows in row order."""
-        rows = [row for row in features if len(row["input_ids"]) > 0]  # HF's collator skips empty rows too
+        rows = [_one_row(row, index) for index, row in enumerate(features)]
+        rows = [row for row in rows if len(row["input_ids"]) > 0]  # HF's collator skips empty rows too
         batch = self._text(rows)
         for key in PER_TOKEN:
             present = [row.get(key) is not None for row in rows]
@@ -132,6 +134,21 @@ def pad_audio_clips(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor
     frames = max(clips.shape[-1] for clips in features)
     return {AUDIO[0]: torch.cat([torch.nn.functional.pad(clips, (0, frames - clips.shape[-1])) for clips in features]),
             AUDIO[1]: torch.cat([torch.nn.functional.pad(mask, (0, frames - mask.shape[-1])) for mask in masks])}
+
+
+def _one_row(row: Mapping[str, Any], index: int) -> Mapping[str, Any]:
+    """`row` with its text fields 1-D: a processor called on one example returns them [1, tokens]."""
+    ids = row["input_ids"]
+    if not isinstance(ids, torch.Tensor) and not (len(ids) and isinstance(ids[0], (list, tuple))):
+        return row
+    ids = _tensor(ids)
+    if ids.dim() == 1:
+        return row
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"FlatteningCollator: row {index}: input_ids of shape {list(ids.shape)}; each feature is one "
+                         "row: [tokens], or a processor's one-example [1, tokens]")
+    text = ("input_ids", "labels", "attention_mask", *PER_TOKEN)
+    return {**row, **{key: _tensor(row[key]).reshape(-1).tolist() for key in text if row.get(key) is not None}}
 
 
 def _tensor(value: Any) -> torch.Tensor:

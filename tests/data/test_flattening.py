@@ -218,6 +218,20 @@ def test_refusals():
     with pytest.raises(ValueError, match="mm_token_type_ids is given for some rows"):
         typed = {**rows[0], "mm_token_type_ids": [0] * len(rows[0]["input_ids"])}
         FlatteningCollator()([typed, {k: v for k, v in rows[1].items() if k != "mm_token_type_ids"}])
+    with pytest.raises(ValueError, match=r"row 0: input_ids of shape \[2, 5\]; each feature is one row"):
+        FlatteningCollator()([{"input_ids": torch.ones(2, 5, dtype=torch.long)}])
+
+
+def test_a_processors_one_example_rows_are_rows():
+    """A processor called on one example returns its text fields [1, tokens]: the same batch as the rows' 1-D
+    fields (HF's processor itself: tests/data/test_omni_processor.py)."""
+    rows = _groups("qwen2_5_vl", False)[0]
+    batched = [{**row, **{k: torch.as_tensor(row[k])[None] for k in ("input_ids", "labels") if k in row}}
+               for row in rows]
+    want, got = FlatteningCollator()(rows), FlatteningCollator()(batched)
+    assert want.keys() == got.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
 
 
 def test_disable_restores_hf_forward():
