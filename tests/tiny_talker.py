@@ -22,16 +22,17 @@ GROUPS = 4  # Qwen3-Omni: codebooks per frame (codebook 0: the talker; 1 .. 3: t
 TALKER_TYPES = ("qwen2_5_omni_talker", "qwen3_omni_moe_talker")
 
 
-def tiny_talker(model_type: str = "qwen2_5_omni_talker", seed: int = 0, **overrides):
-    """A talker, fp32: 2 decoder layers (64 wide, 4 heads of 16, M-RoPE sections 2/3/3); Qwen3-Omni: 4 experts (2
-    per token) and a shared expert in every layer; its code predictor: 2 layers, 2 heads of 32."""
+def tiny_talker(model_type: str = "qwen2_5_omni_talker", seed: int = 0, vocab: int = CODEC_VOCAB, **overrides):
+    """A talker, fp32: 2 decoder layers (64 wide, 4 heads of 16, M-RoPE sections 2/3/3), codec vocabulary `vocab`;
+    Qwen3-Omni: 4 experts (2 per token) and a shared expert in every layer; its code predictor: 2 layers, 2 heads of
+    32."""
     import transformers
 
     decoder = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
     torch.manual_seed(seed)
     if model_type == "qwen3_omni_moe_talker":
-        text = {**decoder, **_mrope(interleaved=True), "vocab_size": CODEC_VOCAB, "num_experts": 4,
+        text = {**decoder, **_mrope(interleaved=True), "vocab_size": vocab, "num_experts": 4,
                 "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
                 "decoder_sparse_step": 1}
         predictor = dict(vocab_size=CODEC_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -52,7 +53,7 @@ def tiny_talker(model_type: str = "qwen2_5_omni_talker", seed: int = 0, **overri
                     param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
         return model
     config = transformers.Qwen2_5OmniTalkerConfig(
-        **decoder, **_mrope(), vocab_size=CODEC_VOCAB, embedding_size=THINKER_WIDTH, tts_codec_pad_token_id=CODEC_PAD,
+        **decoder, **_mrope(), vocab_size=vocab, embedding_size=THINKER_WIDTH, tts_codec_pad_token_id=CODEC_PAD,
         tts_codec_start_token_id=CODEC_BOS, tts_codec_end_token_id=CODEC_EOS, tts_codec_mask_token_id=CODEC_MASK,
         tts_text_start_token_id=1, tts_text_end_token_id=2, tts_text_pad_token_id=0, audio_token_index=3,
         image_token_index=4, video_token_index=5, vision_start_token_id=6, vision_end_token_id=7,
