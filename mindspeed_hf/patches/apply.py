@@ -1,46 +1,36 @@
 """Applying the family table: enable() patches classes and module functions (models built before and after),
-apply_to_model() settles one existing model (PEFT-wrapped too), disable() restores every original, and report()
-says what really runs on a given model."""
+apply_to_model() settles one existing model (PEFT-wrapped too), disable() restores every original; report() (what
+really runs on a given model) is patches/reporting.py's."""
 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import os
 import weakref
 from typing import Any
 
-import torch
 from torch import nn
 
 from .. import compat
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS, register_attention, unregister_attention
-from . import experts, forwards, linear_attention, multimodal, quantized, scope, talker, third_party
-from .engine import PatchSet
-from .families import FAMILIES, ModelFamily, family_for
+from . import experts, forwards, linear_attention, multimodal, scope, talker, third_party
+from .engine import FUSED_LAYERS, PATCHES
+from .families import FAMILIES, ModelFamily
+from .reporting import announce as _announce
+from .reporting import family_of, find_hf_model, replacements, report  # noqa: F401  (the package's public API)
+from .reporting import modeling as _modeling
 
 logger = logging.getLogger("mindspeed_hf")
 
-_OPS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy", "experts", "linear_attention")
-
-_patches = PatchSet()
+_patches = PATCHES  # the process's patch record (engine.py): disable() restores it
 # The process config itself lives in scope (the kernels read it there); here only whether it was given explicitly.
 _state: dict[str, Any] = {"explicit": None, "warned_types": set()}
 # Models whose attention may point at our kernel: disable() switches them back to sdpa.
 _models: weakref.WeakSet = weakref.WeakSet()
-_fused_layers: set[type] = set()  # decoder-layer classes whose residual add runs fused into their norm
-
-
-def _modeling(family: ModelFamily):
-    if family.modeling:  # third-party: only once its package is imported (never imported from here)
-        return third_party.imported_module(family.modeling)
-    try:
-        return importlib.import_module(family.modeling_module)
-    except ImportError:  # an older transformers without this family
-        return None
+_fused_layers = FUSED_LAYERS  # decoder-layer classes whose residual add runs fused into their norm
 
 
 def _replaceable(model: nn.Module, family: ModelFamily) -> bool:
@@ -233,22 +223,6 @@ def active_config() -> MindSpeedConfig | None:
     return scope.process_config()
 
 
-def find_hf_model(model: nn.Module) -> nn.Module | None:
-    """The transformers PreTrainedModel inside `model` (itself, or under PEFT / DDP / FSDP wrappers)."""
-    from transformers import PreTrainedModel
-
-    if isinstance(model, PreTrainedModel) and not hasattr(model, "get_base_model"):
-        return model
-    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
-
-
-def family_of(model: nn.Module) -> ModelFamily | None:
-    hf_model = find_hf_model(model)
-    if hf_model is None:
-        return None
-    return family_for(getattr(hf_model.config, "model_type", None), tuple(c.__name__ for c in type(hf_model).__mro__))
-
-
 def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> dict[str, Any]:
     """Accelerate an existing model (also PEFT-wrapped) with `config` (default: the process config): patch the
     families if not yet, attach the config to the model (it applies whenever this model runs, whatever other
@@ -306,146 +280,3 @@ def _set_attention(model: nn.Module, name: str) -> None:
             sub.set_attn_implementation(name)
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
-    if param is None:
-        return torch.device("cpu")
-    if param.device.type == "meta":  # built on meta, to be materialised on this process's accelerator
-        from ..device import detect_device_type
-
-        return torch.device(detect_device_type())
-    return param.device
-
-
-def report(model: nn.Module) -> dict[str, Any]:
-    """What really runs on `model`: the kernel backend, the number of patched sites per op, and the
-    implementation of each op on the model's device."""
-    device = _model_device(model)
-    hf_model = find_hf_model(model)
-    family = family_of(model)
-    counts = dict.fromkeys(_OPS, 0)
-    vision = dict.fromkeys(multimodal.VISION_OPS, 0)
-    audio = {"attention": 0}
-    kept: dict[str, str] = {}
-    layers = 0
-    config = scope.config_of(hf_model) if hf_model is not None else None
-    if family is not None and is_enabled():
-        module = _modeling(family)
-        text_attention = multimodal.text_attention_sites(family, module, hf_model, FAMILIES, _modeling)
-        rope_ours = getattr(getattr(module, "apply_rotary_pos_emb", None), "_mindspeed_op", None) == "rope"
-        text_attention.update({getattr(module, name): rope_ours for name in family.more_attention
-                               if hasattr(module, name)})
-        vision_ids, vision_attention, vision_rope = multimodal.vision_sites(family, module, hf_model)
-        audio_ids = multimodal.tower_modules(module, hf_model, family.audio_model)
-        mrope = {getattr(module, cls): getattr(getattr(module, fn), "_mindspeed_op", None) == "rope"
-                 for cls, fn in family.mrope_attention}
-        on = {op: bool(getattr(config.kernels, op)) for op in _OPS}
-        attention = compat.attn_implementation(hf_model.config)
-        explicit = getattr(hf_model, "_mindspeed_explicit_attention", None)
-        if explicit is not None and attention not in OUR_ATTENTIONS:
-            kept["attention"] = f"{attention} (requested explicitly)"
-        experts_classes = tuple(getattr(module, name) for name in family.experts if hasattr(module, name))
-        counts["experts"] = experts.count(hf_model, experts_classes, on["experts"])
-        experts_note = experts.describe(hf_model, bool(family.experts))
-        if experts_note is not None:
-            kept["experts"] = experts_note
-        for sub in hf_model.modules():
-            op = _running_op(sub)
-            ours = compat.attn_implementation(getattr(sub, "config", hf_model.config)) in OUR_ATTENTIONS
-            if isinstance(sub, vision_attention):  # the tower's: counted apart (report()["vision_kernels"])
-                vision["attention"] += op is not None and on[op] and ours
-                vision["rope"] += vision_rope and on["rope"]
-                continue
-            if id(sub) in audio_ids:  # the Omni audio tower's: report()["audio_kernels"]
-                audio["attention"] += op == "attention" and on[op] and ours
-                continue
-            if op == "add_rms_norm" or (op is None and isinstance(sub, tuple(_fused_layers))):  # fused add
-                layers += on["rms_norm"]
-            elif op is not None and op in counts:  # (stacked_linear: in "ran" and "implementations" only)
-                (vision if id(sub) in vision_ids else counts)[op] += on[op]
-            rope_patched = next((r for cls, r in text_attention.items() if isinstance(sub, cls)), None)
-            if rope_patched is not None:
-                counts["rope"] += rope_patched and on["rope"]
-                counts["attention"] += ours
-            elif type(sub) in mrope:
-                counts["rope"] += mrope[type(sub)] and on["rope"]
-                counts["attention"] += compat.attn_implementation(sub.config) in OUR_ATTENTIONS
-    token = registry.use_backend(None if config is None or config.backend == "auto" else config.backend)
-    try:
-        return {
-            "model_type": family.model_type if family is not None else getattr(getattr(hf_model, "config", None),
-                                                                                "model_type", None),
-            "backend": registry.resolve_backend(device),
-            "kernels": counts,
-            "implementations": {op: registry.implementation(op, device) for op in (*_OPS, "add_rms_norm",
-                                                                                   "stacked_linear")
-                                if op in registry.registered_ops()},
-            "add_rms_norm_layers": layers,  # decoder layers whose residual add is fused into the norm after it
-            "attention_implementation": compat.attn_implementation(getattr(hf_model, "config", None)),
-            "skip_logits": None if config is None or not counts["fused_linear_cross_entropy"] else
-            config.kernels.skip_logits,
-            "kept": kept,
-            # what really ran on this model since it was built (or accelerated): executions per op
-            "ran": {**dict.fromkeys((*_OPS, "add_rms_norm", "stacked_linear", "vision_attention"), 0),
-                    **scope.ran(hf_model)}
-            if hf_model is not None else {},
-            "quantized_linear": quantized.describe(model, device),
-            **({"vision_kernels": vision, "vision_attention_implementation": registry.implementation(
-                "vision_attention", device)} if family is not None and family.vision_model else {}),
-            **({"audio_kernels": audio} if family is not None and family.audio_model else {}),
-        }
-    finally:
-        registry.reset_backend(token)
-
-
-def replacements(model: nn.Module) -> dict[str, str]:
-    """Where other code has replaced our kernels since enable() (another kernel library patching the same classes
-    or module functions, or the forwards of this model's modules): `where (by package)` -> the op it replaced."""
-    found = {}
-    for patch in _patches.replaced():
-        op = _op_of(patch.value)
-        if op is not None:
-            now = getattr(patch.owner, patch.name, None)
-            where = getattr(patch.owner, "__qualname__", None) or getattr(patch.owner, "__name__", str(patch.owner))
-            found[f"{where}.{patch.name} (by {getattr(now, '__module__', None) or 'unknown code'})"] = op
-    for sub in model.modules():
-        forward = vars(sub).get("forward")
-        op = _op_of(type(sub).forward)
-        if forward is not None and op is not None and _running_op(sub) is None:
-            found[f"{type(sub).__name__}.forward of the model (by {getattr(forward, '__module__', None)})"] = op
-    return found
-
-
-def _running_op(module: nn.Module) -> str | None:
-    """The op of the forward that runs for `module`: its instance forward's, or its class's when the instance
-    forward is a transparent wrapper (marked `_mindspeed_transparent`: it runs the class's forward, e.g. selective
-    recompute's)."""
-    forward = vars(module).get("forward")
-    if forward is None or getattr(forward, "_mindspeed_transparent", False):
-        return _op_of(type(module).forward)
-    return _op_of(forward)
-
-
-def _op_of(forward: Any) -> str | None:
-    """The op a module's forward runs (its `_mindspeed_op`), looking through wrappers that keep `__wrapped__`, such
-    as the one accelerate puts on the instance for bf16/fp16 mixed precision (autocast + convert_to_fp32)."""
-    for _ in range(8):
-        op = getattr(forward, "_mindspeed_op", None)
-        if op is not None or not hasattr(forward, "__wrapped__"):
-            return op
-        forward = forward.__wrapped__
-    return None
-
-
-def _announce(model: nn.Module, result: dict[str, Any]) -> None:
-    """Log what was applied, once per model (and again only if it changed)."""
-    applied = ", ".join(f"{op} x{n}" for op, n in result["kernels"].items() if n) or "nothing"
-    line = f"mindspeed_hf: {result['model_type']} on backend {result['backend']}: {applied}"
-    if "vision_kernels" in result:
-        vision = ", ".join(f"{op} x{n}" for op, n in result["vision_kernels"].items() if n) or "nothing"
-        line += f"; vision tower: {vision}"
-    if result.get("audio_kernels", {}).get("attention"):
-        line += f"; audio tower: attention x{result['audio_kernels']['attention']}"
-    if getattr(model, "_mindspeed_announced", None) != line:
-        model._mindspeed_announced = line
-        logger.info(line)

@@ -68,3 +68,10 @@ class PatchSet:
 
     def __len__(self) -> int:
         return len(self._patches)
+
+
+#: The process's record of what enable() patched (disable() restores it), written by patches/apply.py and read by
+#: patches/reporting.py (replacements()).
+PATCHES = PatchSet()
+#: Decoder-layer classes whose residual add runs fused into the norm after it (report()'s add_rms_norm_layers).
+FUSED_LAYERS: set[type] = set()
