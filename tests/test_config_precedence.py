@@ -194,9 +194,13 @@ def test_a_settings_error_at_import_is_one_line(tmp_path):
              "MINDSPEED_HF_CONFIG": (str(bad), "is not valid YAML (line 3, column 1)")}
     env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_HF_AUTO"}
     env["PYTHONPATH"] = ""  # no torch_npu stand-in
+    # what Hugging Face's stack prints on its own when imported (bitsandbytes 0.50.2 on a CPU with AVX512-BF16 logs
+    # a warning when PEFT imports it): not ours, left out of the count
+    stack = subprocess.run([sys.executable, "-c", "import transformers.training_args"], capture_output=True,
+                           text=True, env=env, timeout=300).stderr.strip().splitlines()
     for name, (value, expected) in cases.items():
         done = subprocess.run([sys.executable, "-c", "import mindspeed_hf"], capture_output=True, text=True,
                               env={**env, name: value}, timeout=300)
         assert done.returncode == 1
-        lines = done.stderr.strip().splitlines()
+        lines = [line for line in done.stderr.strip().splitlines() if line not in stack]
         assert len(lines) == 1 and lines[0].startswith("mindspeed_hf: error: ") and expected in lines[0], lines
