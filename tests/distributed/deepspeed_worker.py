@@ -22,9 +22,15 @@ import argparse
 import json
 import os
 
+import deepspeed.ops
 import torch
 import torch.distributed as dist
 from trainer_worker import collate, dataset
+
+# DeepSpeed's CPU comm JIT-compiles a shared-memory op (deepspeed_shm_comm: ~2 min of C++ on 2 cores, per
+# environment) when it initialises; only its inference_all_reduce uses it, training never does. Marked unavailable,
+# as on a machine without a compiler: the runs take gloo's collectives, the same ones with or without it.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 STEPS, BATCH, LR, CHUNK = 4, 2, 1e-2, 8
 ZERO = {"stage": 2, "overlap_comm": False, "contiguous_gradients": True}
