@@ -2,7 +2,8 @@
 (fused loss on codec_head, decoder kernels reported and run), logs the per-step losses of the same script on plain
 HF, the loss falls, and the saved talker loads with from_pretrained and runs; under torchrun with FSDP2 it equals the
 single process. `--talker qwen3_omni_moe` (MoE talker + code predictor): equal to plain HF, and under torchrun with
-`parallel: {dp_shard: 2, ep: 2}` equal to the single process, checkpoint included."""
+`parallel: {dp_shard: 2, ep: 2}` and `memory: {recompute: selective, offload_activations: true}` equal to the
+single process, checkpoint included."""
 
 from __future__ import annotations
 
@@ -66,15 +67,16 @@ def test_fsdp2_on_two_ranks_equals_one_process(runs):
     checkpoint loads with from_pretrained and equals it."""
     from transformers import Qwen2_5OmniTalkerForConditionalGeneration
 
-    lines = _torchrun_example(runs["tmp"] / "fsdp2", "parallel: {dp_shard: 2}\n")
+    lines, _ = _torchrun_example(runs["tmp"] / "fsdp2", "parallel: {dp_shard: 2}\n")
     torch.testing.assert_close(torch.tensor(_losses(lines)), torch.tensor(_losses(runs[True])), atol=1e-5, rtol=0)
     assert lines[-1]["report"]["ran"]["fused_linear_cross_entropy"] == STEPS
     _same_weights(Qwen2_5OmniTalkerForConditionalGeneration, runs["tmp"] / "fsdp2" / "out",
                   runs["tmp"] / "True" / "out", atol=1e-5, rtol=1e-4)
 
 
-def _torchrun_example(tmp, config: str, *flags: str) -> list[dict]:
-    """The script under torchrun (2 ranks, 4 rows each) with `config` as MINDSPEED_HF_CONFIG: its JSON lines."""
+def _torchrun_example(tmp, config: str, *flags: str) -> tuple[list[dict], str]:
+    """The script under torchrun (2 ranks, 4 rows each) with `config` as MINDSPEED_HF_CONFIG: its JSON lines and
+    what it printed."""
     import json
 
     from child_runs import torchrun
@@ -83,10 +85,10 @@ def _torchrun_example(tmp, config: str, *flags: str) -> list[dict]:
     tmp.mkdir()
     (tmp / "parallel.yaml").write_text(config)
     out = tmp / "losses.jsonl"
-    run(torchrun(str(EXAMPLES / "omni" / "finetune_talker.py"), "--max_steps", str(STEPS), "--output_dir",
-                 str(tmp / "out"), "--losses_file", str(out), "--per_device_train_batch_size", "4", *flags),
-        auto=True, MINDSPEED_HF_CONFIG=str(tmp / "parallel.yaml"))
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    proc = run(torchrun(str(EXAMPLES / "omni" / "finetune_talker.py"), "--max_steps", str(STEPS), "--output_dir",
+                        str(tmp / "out"), "--losses_file", str(out), "--per_device_train_batch_size", "4", *flags),
+               auto=True, MINDSPEED_HF_CONFIG=str(tmp / "parallel.yaml"))
+    return [json.loads(line) for line in out.read_text().splitlines()], proc.stdout + proc.stderr
 
 
 def _same_weights(model_class, got, want, atol: float, rtol: float) -> None:
@@ -99,7 +101,7 @@ def test_qwen3_talker_and_code_predictor_under_ep(tmp_path_factory):
     """Qwen3-Omni: the talker's codec loss plus the code predictor's per-codebook loss. Accelerated equals plain HF
     per step (HF's own labels paths are unusable here: the script scores plain HF from its logits), the loss falls;
     under torchrun with dp_shard 2 x ep 2 (2 experts per rank, the code predictor's layers sharded, its tables in
-    the root group) the losses and the gathered checkpoint equal the single process's."""
+    the root group), selective recompute and activation offload on, the losses and the gathered checkpoint equal the single process's."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeTalkerForConditionalGeneration as Talker,
     )
@@ -119,8 +121,15 @@ def test_qwen3_talker_and_code_predictor_under_ep(tmp_path_factory):
     assert report["ran"]["fused_linear_cross_entropy"] == 4 * STEPS and report["ran"]["experts"] == 2 * STEPS
     _same_weights(Talker, tmp / "True" / "out", tmp / "False" / "out", atol=2e-4, rtol=1e-3)
 
-    lines = _torchrun_example(tmp / "ep", "parallel: {dp_shard: 2, ep: 2}\n", "--talker", "qwen3_omni_moe")
+    # with selective recompute and activation offload on as well: they change no number
+    memory = "memory: {recompute: selective, offload_activations: true, offload_min_bytes: 0}\n"
+    lines, printed = _torchrun_example(tmp / "ep", "parallel: {dp_shard: 2, ep: 2}\n" + memory,
+                                       "--talker", "qwen3_omni_moe")
     torch.testing.assert_close(torch.tensor(_losses(lines)), torch.tensor(accelerated), atol=1e-5, rtol=0)
-    assert lines[-1]["report"]["ran"]["experts"] == 2 * STEPS  # EP's dispatch runs the local experts
+    # the talker's 2 MoE layers and the code predictor's 2 layers
+    assert "recompute is on (selective: attention_core, mlp in 4 of 4 decoder layers)" in printed, printed[-3000:]
+    assert "activation offload is on" in printed
+    # EP's dispatch runs the local experts, once more in the backward (selective recompute reruns the MLP)
+    assert lines[-1]["report"]["ran"]["experts"] == 2 * 2 * STEPS
     # (AdamW over 20 steps: a gradient summed in another order moves a near-zero one's update; seen 2e-5)
     _same_weights(Talker, tmp / "ep" / "out", tmp / "True" / "out", atol=5e-5, rtol=1e-3)
