@@ -14,8 +14,8 @@ The steps run in this order, each a small function `step(model, dims, config, op
     3. fsdp        parallel.*: FSDP2 / HSDP over the mesh `dims` built (the experts on expert_fsdp first, then
                    each decoder layer, the embeddings, the final norm + lm_head, the root),
                    over the data-parallel ranks only (dp_shard x cp, x dp_replicate): under tp the
-                   parameters are 2-D DTensors (dp, tp); a Qwen-VL / Omni model's ranks must then carry the same
-                   media each step, or it stops in one line (parallel/towers.py)
+                   parameters are 2-D DTensors (dp, tp); a Qwen-VL / Omni model's rank lacking a medium
+                   another rank has then runs that tower on a placeholder each step (parallel/towers.py)
 
 Context parallelism comes before recompute too (it changes what a layer computes); activation offload
 comes right after recompute (it wraps what recompute leaves); FSDP2 is always last, since it shards the
@@ -44,7 +44,7 @@ from .dims import ParallelDims, fsdp_mesh
 from .expert import adopt_native_ep, apply_expert_parallel, expert_fsdp_groups, native_expert_parallel
 from .fsdp import apply_fsdp, unwrap_hf_model
 from .tensor import apply_tensor_parallel, check_tensor_parallel
-from .towers import check_media_per_step, tower_modules
+from .towers import keep_media_in_step, tower_modules
 
 __all__ = ["ParallelizeOptions", "STEPS", "parallelize", "register_step_override"]
 
@@ -183,7 +183,7 @@ def apply_fsdp2(model: nn.Module, dims: ParallelDims | None, config: MindSpeedCo
     if sync:
         _broadcast_from_rank0(model, full, device)
     if tower_modules(unwrap_hf_model(model)):  # a rank without some medium would skip its tower's collectives
-        check_media_per_step(model, device)
+        keep_media_in_step(model, unwrap_hf_model(model), device)
     # transformers' own FSDP2 marker: generate() keeps the ranks in step (synced_gpus), and Trainer's
     # gradient-accumulation path defers the reduction.
     for module in {id(m): m for m in (model, unwrap_hf_model(model))}.values():

@@ -1,17 +1,18 @@
 """The Omni thinkers under a plain Trainer script with the sizes only from MINDSPEED_HF_CONFIG (torchrun, gloo, CPU,
 fp32): HSDP over the whole model (audio tower, vision tower, text layers; 4 ranks: 2 replicas of FSDP2 over 2),
 FSDP2 on 2 ranks with expert parallelism (ep=2) on Qwen3-Omni's MoE thinker, and selective recompute / activation
-offload, each equal to a single plain-HF
-process on the same global batches: logged losses and grad norms over 3 clipped SGD steps and every parameter
-after them within 1e-5. The worker is the VLM one (vlm_context_worker.py: rows from tests/tiny_omni.omni_rows).
-Context parallelism through the thinkers: test_context_parallel_vlm.py."""
+offload, on rows of mixed media (audio + images, audio only, images only, text only: a rank lacking a medium another
+rank has runs that tower on a placeholder), each equal to a single plain-HF process on the same global batches:
+logged losses and grad norms over 3 clipped SGD steps and every parameter after them within 1e-5. The worker is
+the VLM one (vlm_context_worker.py: rows from tests/tiny_omni.omni_rows). Context parallelism through the thinkers:
+test_context_parallel_vlm.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from child_runs import assert_trained_alike, child_env, run_trainer_worker
+from child_runs import assert_trained_alike, run_trainer_worker
 
 WORKER = Path(__file__).resolve().parent / "vlm_context_worker.py"
 TOL = 1e-5
@@ -32,10 +33,11 @@ _references: dict[str, dict] = {}
      "memory: {recompute: selective, offload_activations: true, offload_min_bytes: 0}\n", 1, 1),
 ])
 def test_plain_trainer_on_an_omni_thinker_equals_one_process(root, name, model, config, nproc, dp):
-    # Rows with audio and images only (under FSDP2 every rank runs both sharded towers each step), and the loss a
-    # token mean over the dp ranks (the thinkers' accepts_loss_kwargs=False would make Trainer average the ranks'
-    # own means), on both sides; one reference per model
-    data = ("--images-only", "--token-mean")
+    # Rows of mixed media (audio + images, audio only, images only, text only: under FSDP2 a rank lacking a medium
+    # another rank has runs that tower on a placeholder), and the loss a token mean over the dp ranks (the thinkers'
+    # accepts_loss_kwargs=False would make Trainer average the ranks' own means), on both sides; one reference per
+    # model
+    data = ("--token-mean",)
     if model not in _references:
         _references[model] = run_trainer_worker(WORKER, root, f"ref_{model}", "reference", "--model", model, *data)
     want = _references[model]
@@ -48,23 +50,6 @@ def test_plain_trainer_on_an_omni_thinker_equals_one_process(root, name, model, 
         assert run["ran"]["experts"] > 0
     if "memory" in config:  # the thinker's text layers recompute their attention core and MLP and offload
         assert run["memory"]["recompute"] >= 2 * 2 and run["memory"]["offload"] >= 2, run["memory"]
+    if dp > 1:  # some rank lacked audio and some rank images in some step
+        assert run["placeholders"]["input_features"] > 0 and run["placeholders"]["pixel_values"] > 0, run
     assert_trained_alike(run, want, TOL)
-
-
-def test_ranks_with_different_media_stop_in_one_line(root):
-    """Rows of mixed media (audio + images, audio only, images only, text only) dealt to 2 FSDP2 ranks: a rank
-    without some medium would skip its tower's collectives (gloo fails deep in the backward, NCCL hangs); the run
-    stops before the forward with one line naming each rank's media."""
-    import subprocess
-    import sys
-
-    (root / "mixed.yaml").write_text("parallel: {dp_shard: 2}\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-           "sharded", "--model", "qwen2_5_omni_thinker", "--dp", "2", "--token-mean", "--out",
-           str(root / "mixed.json")]
-    proc = subprocess.run(cmd, env=child_env(auto=True, MINDSPEED_HF_CONFIG=str(root / "mixed.yaml")),
-                          capture_output=True, text=True, timeout=500)
-    assert proc.returncode != 0
-    line = "ValueError: parallel.dp_shard: this step's micro-batches carry different media on the ranks (rank 0: "
-    assert line in proc.stderr + proc.stdout, (proc.stderr + proc.stdout)[-3000:]
-    assert "Received data size" not in proc.stderr + proc.stdout

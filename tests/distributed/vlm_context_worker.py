@@ -36,10 +36,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--packed", action="store_true", help="FlatteningCollator (rows packed into one)")
-    parser.add_argument("--images-only", action="store_true",
-                        help="only the rows with images or videos (Omni: with audio and images): under dp_shard "
-                             "every rank must run each tower each step (FSDP2 gathers its blocks on every rank; a "
-                             "rank without any skips them)")
     parser.add_argument("--videos", action="store_true", help="rows with videos too (tiny_vlms.vlm_rows)")
     parser.add_argument("--token-mean", action="store_true",
                         help="model.accepts_loss_kwargs = True: Qwen-VL declares False, so Trainer would average the "
@@ -55,13 +51,8 @@ def main() -> None:
     model = tiny_omni_thinker(opts.model) if omni else tiny_vlm(opts.model)
     if opts.token_mean:
         model.accepts_loss_kwargs = True
-    rows = omni_rows(model, count=2 * STEPS * GLOBAL) if omni else vlm_rows(model, count=2 * STEPS * GLOBAL,
-                                                                            videos=opts.videos)
-    vision = ("pixel_values", "pixel_values_videos")
-    # an Omni thinker under FSDP2: every rank runs both towers each step, so rows with audio and images
-    media = (lambda row: "pixel_values" in row and "input_features" in row) if omni else (
-        lambda row: any(k in row for k in vision))
-    rows = [row for row in rows if media(row) or not opts.images_only][: STEPS * GLOBAL]
+    rows = omni_rows(model, count=STEPS * GLOBAL) if omni else vlm_rows(model, count=STEPS * GLOBAL,
+                                                                        videos=opts.videos)
     args = TrainingArguments(output_dir=opts.out + ".dir", max_steps=STEPS, optim="sgd", learning_rate=0.5,
                              per_device_train_batch_size=GLOBAL // opts.dp, max_grad_norm=0.5, logging_steps=1,
                              report_to="none", disable_tqdm=True, seed=0, save_strategy="no",
@@ -76,6 +67,11 @@ def main() -> None:
     trainer.train()
     from torch.distributed.tensor import DTensor
 
+    # forwards that ran a tower on a placeholder (a medium this rank's micro-batch lacked), summed over the ranks
+    state = getattr(model, "_mindspeed_media_state", None)
+    placeholders = torch.tensor([state.ran[key] for key in sorted(state.ran)] if state else [0, 0, 0])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(placeholders)
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for n, p in trainer.model.named_parameters()}
     if trainer.args.process_index == 0:
@@ -92,6 +88,7 @@ def main() -> None:
             facts.update(cp=dims.cp if dims else 1, dp=dims.dp_size if dims else 1, ep=dims.ep if dims else 1,
                          replicate=dims.dp_replicate if dims else 1,
                          audio_kernels=report.get("audio_kernels"), memory=marked,
+                         placeholders=dict(zip(sorted(state.ran), placeholders.tolist())) if state else {},
                          ran=report["ran"], implementations=report["implementations"],
                          vision_implementation=report.get("vision_attention_implementation"),
                          vision_shared=getattr(model.model.visual, "_mindspeed_cp_vision", {}).get("shared", 0))

@@ -1,6 +1,8 @@
 """torchrun worker (gloo, 2 ranks): a tiny Qwen2.5-VL under FSDP2 with mindspeed_hf (fused loss, varlen vision
 attention, vision RMSNorm / SwiGLU / rope) against plain HF in one process, for a full fine-tune and for LoRA on the
-language model with the vision tower frozen. Rank 0 writes a JSON report to --out."""
+language model with the vision tower frozen; and LLaVA / InternVL (fixed-size towers) with rank 0's sample carrying
+images and rank 1's none (mindspeed_hf's media sync gives rank 1 a placeholder image). Rank 0 writes a JSON report
+to --out."""
 
 from __future__ import annotations
 
@@ -15,18 +17,19 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_vlms
 
-from tiny_vlms import GRIDS, SAMPLE_IMAGES, tiny_vlm, vlm_batch  # noqa: E402
+from tiny_vlms import GRIDS, IMAGE, SAMPLE_IMAGES, tiny_vlm, vlm_batch  # noqa: E402
 
 import mindspeed_hf  # noqa: E402
 from mindspeed_hf.config import config_from_dict  # noqa: E402
 from mindspeed_hf.parallel.dims import ParallelDims, fsdp_mesh, init_distributed  # noqa: E402
 from mindspeed_hf.parallel.fsdp import apply_fsdp  # noqa: E402
+from mindspeed_hf.parallel.towers import keep_media_in_step  # noqa: E402
 
 STEPS, LR = 2, 0.1  # SGD: weights move by LR x gradient, so a gradient difference shows as is
 
 
-def build(lora: bool):
-    model = tiny_vlm("qwen2_5_vl")
+def build(lora: bool, model_type: str = "qwen2_5_vl"):
+    model = tiny_vlm(model_type)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -40,7 +43,14 @@ def build(lora: bool):
 
 
 def batches(model) -> list[dict]:
-    return [vlm_batch(model, left=bool(step % 2), seed=10 + step) for step in range(STEPS)]
+    batches = [vlm_batch(model, left=bool(step % 2), seed=10 + step) for step in range(STEPS)]
+    if model.config.model_type in ("llava", "internvl"):  # sample 1 text only: its images' tokens become text
+        for batch in batches:
+            images = batch["input_ids"][1] == IMAGE
+            batch["input_ids"][1, images] = 7
+            batch["labels"][1, images] = 7
+            batch["pixel_values"] = batch["pixel_values"][list(SAMPLE_IMAGES[0])]
+    return batches
 
 
 def rank_share(batch: dict, rank: int) -> dict:
@@ -50,6 +60,10 @@ def rank_share(batch: dict, rank: int) -> dict:
     images = SAMPLE_IMAGES[rank]
     rows = torch.cat([torch.arange(starts[i], starts[i] + sizes[i]) for i in images])
     share = {k: v[rank:rank + 1] for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw")}
+    if "image_grid_thw" not in batch:  # LLaVA / InternVL: whole images, all of them sample 0's
+        if rank == 0:
+            share["pixel_values"] = batch["pixel_values"]
+        return share
     share["pixel_values"] = batch["pixel_values"][rows]
     share["image_grid_thw"] = batch["image_grid_thw"][list(images)]
     return share
@@ -77,8 +91,8 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-def reference(lora: bool) -> tuple[list[float], dict]:
-    model = build(lora)
+def reference(lora: bool, model_type: str = "qwen2_5_vl") -> tuple[list[float], dict]:
+    model = build(lora, model_type)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses, first = [], None
     for batch in batches(model):
@@ -91,11 +105,12 @@ def reference(lora: bool) -> tuple[list[float], dict]:
     return losses, trainable(model), first
 
 
-def sharded(lora: bool, rank: int, world: int) -> tuple[list[float], dict, dict, dict]:
-    model = build(lora)
+def sharded(lora: bool, rank: int, world: int, model_type: str = "qwen2_5_vl") -> tuple[list[float], dict, dict, dict]:
+    model = build(lora, model_type)
     report = mindspeed_hf.apply_to_model(model)
     dims = ParallelDims(world_size=world)
     apply_fsdp(model, fsdp_mesh(dims.build_mesh("cpu"), dims))
+    keep_media_in_step(model, model, torch.device("cpu"))  # what parallelize adds for a model with towers
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses, first = [], None
     for batch in batches(model):
@@ -107,7 +122,10 @@ def sharded(lora: bool, rank: int, world: int) -> tuple[list[float], dict, dict,
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item())
-    return losses, trainable(model), first, report
+    state = getattr(model, "_mindspeed_media_state", None)  # placeholder passes, summed over the ranks
+    placeholders = torch.tensor(sum(state.ran.values()) if state else 0)
+    dist.all_reduce(placeholders)
+    return losses, trainable(model), first, {**report, "placeholders": placeholders.item()}
 
 
 def main() -> None:
@@ -118,18 +136,23 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == len(SAMPLE_IMAGES), "one sample (with its images) per rank"
     torch.set_num_threads(1)
+    mixed = ("llava", "internvl")
     expected = {lora: reference(lora) for lora in (False, True)} if rank == 0 else {}
+    if rank == 0:
+        expected.update({model_type: reference(False, model_type) for model_type in mixed})
     dist.barrier()
     mindspeed_hf.enable(config_from_dict({"kernels": {"skip_logits": "always", "loss_chunk_size": 16}}))
     out = {}
-    for lora in (False, True):
-        losses, params, first, report = sharded(lora, rank, world)
+    for case in (False, True, *mixed):  # full, LoRA (Qwen2.5-VL); LLaVA, InternVL with a text-only rank
+        lora = case is True
+        losses, params, first, report = sharded(lora, rank, world, case if case in mixed else "qwen2_5_vl")
         if rank == 0:
-            ref_losses, ref_params, ref_first = expected[lora]
-            out["lora" if lora else "full"] = {
+            ref_losses, ref_params, ref_first = expected[case]
+            out[case if case in mixed else "lora" if lora else "full"] = {
                 "losses": losses, "ref_losses": ref_losses, "trainable": len(params), "grads": len(first),
                 "grad_max_diff": max_diff(first, ref_first), "param_max_diff": max_diff(params, ref_params),
-                "kernels": report["kernels"], "vision_kernels": report["vision_kernels"],
+                "kernels": report["kernels"], "vision_kernels": report.get("vision_kernels"),
+                "placeholders": report["placeholders"],
             }
     if rank == 0:
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -101,7 +101,8 @@ def test_qwen3_talker_and_code_predictor_under_ep(tmp_path_factory):
     """Qwen3-Omni: the talker's codec loss plus the code predictor's per-codebook loss. Accelerated equals plain HF
     per step (HF's own labels paths are unusable here: the script scores plain HF from its logits), the loss falls;
     under torchrun with dp_shard 2 x ep 2 (2 experts per rank, the code predictor's layers sharded, its tables in
-    the root group), selective recompute and activation offload on, the losses and the gathered checkpoint equal the single process's."""
+    the root group), selective recompute and activation offload on, the losses and the gathered checkpoint equal
+    the single process's."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeTalkerForConditionalGeneration as Talker,
     )
