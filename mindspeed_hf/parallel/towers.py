@@ -1,4 +1,4 @@
-"""Multimodal models under FSDP2: every rank runs the same towers each step, whatever media its rows carry.
+"""Multimodal models on several ranks: every rank runs the same towers each step, whatever media its rows carry.
 
 FSDP2 shards a vision or audio tower like the decoder layers (its blocks, or the whole tower, one group each, as
 the model's `_no_split_modules` ask) and gathers a group's weights when it runs, in forward and in backward: a
@@ -16,6 +16,10 @@ every rank; the model's feature method for a placeholder (`get_image_features`, 
 reaches the text (HF's placeholder-token check sees 0 tokens and 0 features) while the backward still runs through
 the tower, in HF's order, with zero gradients: the ranks' gradient average is then what data parallelism means for
 a rank without that medium.
+
+The same holds for data parallelism we do not shard (trainers/lifecycle.py installs it there too): Trainer's DDP
+(with gradient checkpointing it sets find_unused_parameters=False, and a rank that skips a tower never reduces its
+gradients: the run hangs), DeepSpeed ZeRO-1/2 (gradient buckets) and ZeRO-3 (weight gathers).
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ def placeholder_media(hf_model: nn.Module, medium: str, device: torch.device) ->
         size = config.image_size if isinstance(config.image_size, (list, tuple)) else [config.image_size] * 2
         return {medium: torch.zeros(1, config.num_channels, *size, dtype=dtype, device=device)}
     merge = getattr(tower, "spatial_merge_size", None) or config.spatial_merge_size
-    patch = math.prod(tower.patch_embed.proj.weight.shape[1:])  # channels x temporal patch x patch x patch
+    weight = tower.patch_embed.proj.weight  # (its whole shape: a DTensor's, or ZeRO-3's ds_shape when partitioned)
+    patch = math.prod(getattr(weight, "ds_shape", weight.shape)[1:])  # channels x temporal patch x patch x patch
     pixels = torch.zeros(merge * merge, patch, dtype=dtype, device=device)
     grid = torch.tensor([[1, merge, merge]], device=device)
     if medium == "pixel_values":
@@ -148,7 +153,7 @@ def add_placeholders(hf_model: nn.Module, kwargs: dict[str, Any], media: set[str
         kwargs.update(placeholder_media(hf_model, medium, device))
         if not state.ran[medium]:
             logger.info("mindspeed_hf: a micro-batch without %s here while another rank has them: its tower runs on "
-                        "a zero placeholder (no feature reaches the text; zero gradients), keeping FSDP2's "
+                        "a zero placeholder (no feature reaches the text; zero gradients), keeping the ranks' "
                         "collectives in step", medium)
         state.ran[medium] += 1
 

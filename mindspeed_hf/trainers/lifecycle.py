@@ -4,7 +4,7 @@ at each point of its life. wiring.py calls these from Trainer's own methods; not
 - `start` (first thing in __init__): the trainer's Run - its config resolved once, contradictions refused, the
   parallel plan read from every source of the request - before anything is patched or built;
 - `prepare_model` (before Trainer sees the model): kernels attached, then `parallel.parallelize` (recompute, the mesh
-  and each axis's step);
+  and each axis's step); under DDP / DeepSpeed a multimodal model's towers kept in step over the ranks;
 - `after_init`: the checks that need Trainer's own state, and the step callback of `moe.balance`;
 - `during_train` (around train()): Liger's patching kept off a model we accelerate, and the kernels watched.
 """
@@ -17,10 +17,14 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..device import detect_device_type, local_rank
 from ..memory.recompute import absorb_hf_checkpointing
 from ..parallel.parallelize import ParallelizeOptions, parallelize
+from ..parallel.towers import keep_media_in_step, tower_modules
 from ..patches import apply, scope
 from . import deepspeed, export_background, frameworks, fsdp, seams
 from .fsdp_plan import release_ddp_notice
@@ -68,6 +72,8 @@ def prepare_model(trainer: Any, model: nn.Module) -> nn.Module:
                                  layer_classes=run.plan.layer_classes if run.plan else None,
                                  broadcast_from_rank0=bool(run.plan and run.plan.cpu_ram_efficient_loading))
     model = parallelize(model, dims, run.config, options)
+    if dims is None:  # data parallelism we do not shard: DDP, DeepSpeed (our FSDP2 steps keep the towers in step)
+        _keep_towers_in_step(model)
     absorb_hf_checkpointing(model, run.args, run.config.memory)  # applied: Trainer.train must not again
     for previous in (run.moe_load, run.moe_balance):  # a model given again (model_init's re-init at train())
         if previous is not None:
@@ -79,6 +85,21 @@ def prepare_model(trainer: Any, model: nn.Module) -> nn.Module:
     if dims is not None:
         fsdp.log_sharded(run)
     return model
+
+
+def _keep_towers_in_step(model: nn.Module) -> None:
+    """On more than one rank without our FSDP2 (Trainer's DDP, DeepSpeed ZeRO), a rank whose rows lack a medium
+    another rank has would still skip collectives of that tower: DDP's gradient reduction (it hangs without
+    find_unused_parameters, which gradient checkpointing turns off), ZeRO-1/2's gradient buckets, ZeRO-3's weight
+    gathers. parallel/towers.py's placeholders keep those ranks in step, as under our FSDP2."""
+    hf_model = apply.find_hf_model(model)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and tower_modules(hf_model)):
+        return
+    # the flags' all-gather runs where the backend does
+    device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device(detect_device_type(), local_rank())
+    keep_media_in_step(model, hf_model, device)
+    logger.info("mindspeed_hf: %d ranks train %s: a rank whose rows lack a medium another rank has runs that tower on "
+                "a placeholder", dist.get_world_size(), type(hf_model).__name__)
 
 
 def _recompute_state(model: nn.Module, config: Any) -> str:

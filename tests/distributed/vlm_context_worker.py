@@ -14,6 +14,7 @@ and what ran (attention implementations, the kernels report).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -37,6 +38,10 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--packed", action="store_true", help="FlatteningCollator (rows packed into one)")
     parser.add_argument("--videos", action="store_true", help="rows with videos too (tiny_vlms.vlm_rows)")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="DeepSpeed ZeRO-3 (deepspeed_worker's config) instead of sizes from MINDSPEED_HF_CONFIG")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="gradient_checkpointing=True (under DDP Trainer then sets find_unused_parameters=False)")
     parser.add_argument("--token-mean", action="store_true",
                         help="model.accepts_loss_kwargs = True: Qwen-VL declares False, so Trainer would average the "
                              "dp ranks' per-rank mean losses instead of taking the token mean one process takes")
@@ -53,7 +58,14 @@ def main() -> None:
         model.accepts_loss_kwargs = True
     rows = omni_rows(model, count=STEPS * GLOBAL) if omni else vlm_rows(model, count=STEPS * GLOBAL,
                                                                         videos=opts.videos)
-    args = TrainingArguments(output_dir=opts.out + ".dir", max_steps=STEPS, optim="sgd", learning_rate=0.5,
+    extra = {}
+    if opts.deepspeed:
+        from deepspeed_worker import STAGES, ds_config  # (no DeepSpeed C++ build: see there)
+
+        extra["deepspeed"] = ds_config(STAGES["zero3"])
+    if opts.checkpointing:
+        extra["gradient_checkpointing"] = True
+    args = TrainingArguments(**extra, output_dir=opts.out + ".dir", max_steps=STEPS, optim="sgd", learning_rate=0.5,
                              per_device_train_batch_size=GLOBAL // opts.dp, max_grad_norm=0.5, logging_steps=1,
                              report_to="none", disable_tqdm=True, seed=0, save_strategy="no",
                              dataloader_drop_last=True, use_cpu=True, remove_unused_columns=False)
@@ -72,8 +84,13 @@ def main() -> None:
     placeholders = torch.tensor([state.ran[key] for key in sorted(state.ran)] if state else [0, 0, 0])
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(placeholders)
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for n, p in trainer.model.named_parameters()}
+    with contextlib.ExitStack() as stack:
+        if opts.deepspeed:  # ZeRO-3 partitions every parameter: gathered whole for the copy
+            import deepspeed
+
+            stack.enter_context(deepspeed.zero.GatheredParameters(list(trainer.model.parameters())))
+        params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                  for n, p in trainer.model.named_parameters()}
     if trainer.args.process_index == 0:
         torch.save(params, opts.out + ".pt")
         facts = {"lengths": seen, "text_attention": model.config.text_config._attn_implementation,
