@@ -159,13 +159,17 @@ def add_placeholders(hf_model: nn.Module, kwargs: dict[str, Any], media: set[str
 
 
 def keep_media_in_step(model: nn.Module, hf_model: nn.Module, device: torch.device,
-                       group: dist.ProcessGroup | None = None) -> None:
+                       group: dist.ProcessGroup | None = None, gradients_only: bool = False) -> None:
     """Install on `model` (what the trainer calls; `hf_model` the transformers model inside it) the per-step media
-    sync of the module docstring over `group` (default: all ranks). Once per model."""
+    sync of the module docstring over `group` (default: all ranks). Once per model. `gradients_only`: only forwards
+    that record gradients take part (DDP, ZeRO-1/2, whose only collective is the gradients' reduction), so a
+    forward under no_grad (evaluation, a generate on rank 0 alone) stays a one-rank affair."""
     if getattr(model, "_mindspeed_media_sync", None) is not None:
         return
 
-    def same_media(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    def same_media(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if gradients_only and not torch.is_grad_enabled():
+            return None
         mine = torch.tensor([kwargs.get(key) is not None for key in MEDIA], dtype=torch.int32, device=device)
         ranks = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(ranks, mine, group=group)
@@ -175,7 +179,9 @@ def keep_media_in_step(model: nn.Module, hf_model: nn.Module, device: torch.devi
         return args, kwargs
 
     def done(module: nn.Module, args: tuple, output: Any) -> None:  # feature methods called later are HF's
-        hf_model._mindspeed_media_state.placeholders = set()
+        state = getattr(hf_model, "_mindspeed_media_state", None)
+        if state is not None:
+            state.placeholders = set()
 
     model._mindspeed_media_sync = (model.register_forward_pre_hook(same_media, with_kwargs=True),
                                    model.register_forward_hook(done, always_call=True))

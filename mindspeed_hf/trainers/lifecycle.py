@@ -97,7 +97,10 @@ def _keep_towers_in_step(model: nn.Module) -> None:
         return
     # the flags' all-gather runs where the backend does
     device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device(detect_device_type(), local_rank())
-    keep_media_in_step(model, hf_model, device)
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    # ZeRO-3 gathers weights in every forward, DDP and ZeRO-1/2 reduce gradients only
+    keep_media_in_step(model, hf_model, device, gradients_only=not is_deepspeed_zero3_enabled())
     logger.info("mindspeed_hf: %d ranks train %s: a rank whose rows lack a medium another rank has runs that tower on "
                 "a placeholder", dist.get_world_size(), type(hf_model).__name__)
 

@@ -18,7 +18,9 @@ WORKER = Path(__file__).resolve().parent / "vlm_context_worker.py"
 def test_ddp_with_checkpointing_on_rows_of_mixed_media_equals_one_process(tmp_path):
     data = ("--token-mean", "--checkpointing")
     want = run_trainer_worker(WORKER, tmp_path, "reference", "reference", *data)
-    run = run_trainer_worker(WORKER, tmp_path, "ddp", "sharded", "--dp", "2", *data, config="backend: torch\n")
+    # then a no_grad forward on rank 0 alone, as a sample-generating callback makes: no media sync, no hang
+    run = run_trainer_worker(WORKER, tmp_path, "ddp", "sharded", "--dp", "2", *data, "--rank0-forward",
+                             config="backend: torch\n")
     assert run["dp"] == 1, run  # no mesh of ours: Trainer's DDP
     assert run["placeholders"]["pixel_values"] > 0, run["placeholders"]
     assert run["ran"]["fused_linear_cross_entropy"] > 0

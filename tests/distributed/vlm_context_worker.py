@@ -42,6 +42,8 @@ def main() -> None:
                         help="DeepSpeed ZeRO-3 (deepspeed_worker's config) instead of sizes from MINDSPEED_HF_CONFIG")
     parser.add_argument("--checkpointing", action="store_true",
                         help="gradient_checkpointing=True (under DDP Trainer then sets find_unused_parameters=False)")
+    parser.add_argument("--rank0-forward", action="store_true",
+                        help="after training, a no_grad forward on rank 0 alone (legal under DDP: no collective)")
     parser.add_argument("--token-mean", action="store_true",
                         help="model.accepts_loss_kwargs = True: Qwen-VL declares False, so Trainer would average the "
                              "dp ranks' per-rank mean losses instead of taking the token mean one process takes")
@@ -77,6 +79,9 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[record],
                       data_collator=FlatteningCollator() if opts.packed else pad_rows)
     trainer.train()
+    if opts.rank0_forward and trainer.args.process_index == 0:
+        with torch.no_grad():
+            model(**pad_rows([row for row in rows if "pixel_values" not in row][:1]))
     from torch.distributed.tensor import DTensor
 
     # forwards that ran a tower on a placeholder (a medium this rank's micro-batch lacked), summed over the ranks
