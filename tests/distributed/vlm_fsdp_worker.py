@@ -26,6 +26,9 @@ from mindspeed_hf.parallel.fsdp import apply_fsdp  # noqa: E402
 from mindspeed_hf.parallel.towers import keep_media_in_step  # noqa: E402
 
 STEPS, LR = 2, 0.1  # SGD: weights move by LR x gradient, so a gradient difference shows as is
+# case: (model type, LoRA); LLaVA and InternVL with rank 1's sample text only (batches())
+CASES = {"full": ("qwen2_5_vl", False), "lora": ("qwen2_5_vl", True), "llava": ("llava", False),
+         "internvl": ("internvl", False)}
 
 
 def build(lora: bool, model_type: str = "qwen2_5_vl"):
@@ -136,19 +139,15 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == len(SAMPLE_IMAGES), "one sample (with its images) per rank"
     torch.set_num_threads(1)
-    mixed = ("llava", "internvl")
-    expected = {lora: reference(lora) for lora in (False, True)} if rank == 0 else {}
-    if rank == 0:
-        expected.update({model_type: reference(False, model_type) for model_type in mixed})
+    expected = {case: reference(lora, model_type) for case, (model_type, lora) in CASES.items()} if rank == 0 else {}
     dist.barrier()
     mindspeed_hf.enable(config_from_dict({"kernels": {"skip_logits": "always", "loss_chunk_size": 16}}))
     out = {}
-    for case in (False, True, *mixed):  # full, LoRA (Qwen2.5-VL); LLaVA, InternVL with a text-only rank
-        lora = case is True
-        losses, params, first, report = sharded(lora, rank, world, case if case in mixed else "qwen2_5_vl")
+    for case, (model_type, lora) in CASES.items():
+        losses, params, first, report = sharded(lora, rank, world, model_type)
         if rank == 0:
             ref_losses, ref_params, ref_first = expected[case]
-            out[case if case in mixed else "lora" if lora else "full"] = {
+            out[case] = {
                 "losses": losses, "ref_losses": ref_losses, "trainable": len(params), "grads": len(first),
                 "grad_max_diff": max_diff(first, ref_first), "param_max_diff": max_diff(params, ref_params),
                 "kernels": report["kernels"], "vision_kernels": report.get("vision_kernels"),
