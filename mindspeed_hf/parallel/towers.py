@@ -7,7 +7,8 @@ videos of a batch, and its audio tower for the clips, only when the batch has th
 no image would skip collectives another rank runs (gloo fails with "Received data size doesn't match expected
 size" deep in the backward, NCCL hangs).
 
-`keep_media_in_step` keeps the ranks in step instead: a pre-hook on the model compares which media the local batch
+`keep_media_in_step` keeps the ranks in step instead (for the PLACEHOLDER_MODELS; another model with towers stops
+in one line when its ranks' media differ): a pre-hook on the model compares which media the local batch
 has over the ranks (one small all-gather of three flags) and, for a medium another rank has and this one lacks,
 adds a placeholder input of that medium to the forward (one zero image of the smallest grid the tower merges, one
 zero video frame, half a window of zero audio frames). HF's own forward then calls the towers in its own order on
@@ -41,6 +42,11 @@ MEDIA = ("input_features", "pixel_values", "pixel_values_videos")
 FEATURE_METHODS = {"input_features": "get_audio_features", "pixel_values": "get_image_features",
                    "pixel_values_videos": "get_video_features"}
 
+
+#: The models whose placeholders are tested (tests/models/test_media_placeholders.py). Another model with towers gets
+#: the media comparison and one clear error when its ranks' media differ, where a tower's collectives are at stake.
+PLACEHOLDER_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
+                      "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "llava", "internvl")
 
 #: Where transformers models keep their towers: Qwen-VL's and the Omni thinkers' vision tower, LLaVA's and
 #: InternVL's, the Omni audio tower.
@@ -159,13 +165,16 @@ def add_placeholders(hf_model: nn.Module, kwargs: dict[str, Any], media: set[str
 
 
 def keep_media_in_step(model: nn.Module, hf_model: nn.Module, device: torch.device,
-                       group: dist.ProcessGroup | None = None, gradients_only: bool = False) -> None:
+                       group: dist.ProcessGroup | None = None, gradients_only: bool = False) -> str | None:
     """Install on `model` (what the trainer calls; `hf_model` the transformers model inside it) the per-step media
     sync of the module docstring over `group` (default: all ranks). Once per model. `gradients_only`: only forwards
     that record gradients take part (DDP, ZeRO-1/2, whose only collective is the gradients' reduction), so a
-    forward under no_grad (evaluation, a generate on rank 0 alone) stays a one-rank affair."""
-    if getattr(model, "_mindspeed_media_sync", None) is not None:
-        return
+    forward under no_grad (evaluation, a generate on rank 0 alone) stays a one-rank affair. Returns what it
+    installed ("placeholders", or "check": a model outside PLACEHOLDER_MODELS), None when nothing."""
+    model_type = getattr(hf_model.config, "model_type", None)
+    tested = model_type in PLACEHOLDER_MODELS
+    if getattr(model, "_mindspeed_media_sync", None) is not None or (gradients_only and not tested):
+        return None  # (DDP / ZeRO-1/2 reduce a skipped tower's gradients anyway when told find_unused_parameters)
 
     def same_media(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         if gradients_only and not torch.is_grad_enabled():
@@ -175,6 +184,12 @@ def keep_media_in_step(model: nn.Module, hf_model: nn.Module, device: torch.devi
         dist.all_gather(ranks, mine, group=group)
         anywhere = torch.stack(ranks).amax(0).tolist()
         lacking = {key for key, here, there in zip(MEDIA, mine.tolist(), anywhere) if there and not here}
+        if not tested and any(not torch.equal(r, mine) for r in ranks):  # every rank stops, the same line
+            per_rank = "; ".join(f"rank {i}: {', '.join(k for k, on in zip(MEDIA, r.tolist()) if on) or 'none'}"
+                                 for i, r in enumerate(ranks))
+            raise ValueError(f"this step's micro-batches carry different media on the ranks ({per_rank}), and "
+                             f"{model_type}'s towers have no tested placeholders (tested: "
+                             f"{', '.join(PLACEHOLDER_MODELS)}): give every rank's rows the same media each step")
         add_placeholders(hf_model, kwargs, lacking, device)
         return args, kwargs
 
@@ -185,3 +200,4 @@ def keep_media_in_step(model: nn.Module, hf_model: nn.Module, device: torch.devi
 
     model._mindspeed_media_sync = (model.register_forward_pre_hook(same_media, with_kwargs=True),
                                    model.register_forward_hook(done, always_call=True))
+    return "placeholders" if tested else "check"

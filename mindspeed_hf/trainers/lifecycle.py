@@ -100,9 +100,12 @@ def _keep_towers_in_step(model: nn.Module) -> None:
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     # ZeRO-3 gathers weights in every forward, DDP and ZeRO-1/2 reduce gradients only
-    keep_media_in_step(model, hf_model, device, gradients_only=not is_deepspeed_zero3_enabled())
-    logger.info("mindspeed_hf: %d ranks train %s: a rank whose rows lack a medium another rank has runs that tower on "
-                "a placeholder", dist.get_world_size(), type(hf_model).__name__)
+    installed = keep_media_in_step(model, hf_model, device, gradients_only=not is_deepspeed_zero3_enabled())
+    if installed is not None:
+        logger.info("mindspeed_hf: %d ranks train %s: the ranks' media compared each step; %s",
+                    dist.get_world_size(), type(hf_model).__name__,
+                    "a rank lacking a medium another rank has runs that tower on a placeholder"
+                    if installed == "placeholders" else "different media stop the step in one line")
 
 
 def _recompute_state(model: nn.Module, config: Any) -> str:
