@@ -101,3 +101,10 @@ def test_a_fixed_size_tower_runs_one_placeholder_image(model_type, backend):
     got = loss_and_grads(model, with_placeholder)
     assert len(runs) == 1 and with_placeholder["pixel_values"].dim() == 4
     _same_but_the_placeholder_tower(got, want)
+
+
+def test_the_tested_models_are_the_placeholder_models():
+    """parallel/towers.PLACEHOLDER_MODELS (the models that get placeholders) is exactly what this file tests."""
+    from mindspeed_hf.parallel.towers import PLACEHOLDER_MODELS
+
+    assert sorted(PLACEHOLDER_MODELS) == sorted((*QWEN_VL, *OMNI_TYPES, "llava", "internvl"))
