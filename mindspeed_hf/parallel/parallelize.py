@@ -14,8 +14,8 @@ The steps run in this order, each a small function `step(model, dims, config, op
     3. fsdp        parallel.*: FSDP2 / HSDP over the mesh `dims` built (the experts on expert_fsdp first, then
                    each decoder layer, the embeddings, the final norm + lm_head, the root),
                    over the data-parallel ranks only (dp_shard x cp, x dp_replicate): under tp the
-                   parameters are 2-D DTensors (dp, tp); a Qwen-VL / Omni model's rank lacking a medium
-                   another rank has then runs that tower on a placeholder each step (parallel/towers.py)
+                   parameters are 2-D DTensors (dp, tp); a multimodal model's rank lacking a medium another
+                   rank has then runs that tower on a placeholder (an untested model: one line; parallel/towers.py)
 
 Context parallelism comes before recompute too (it changes what a layer computes); activation offload
 comes right after recompute (it wraps what recompute leaves); FSDP2 is always last, since it shards the

@@ -78,15 +78,13 @@ def placeholder_media(hf_model: nn.Module, medium: str, device: torch.device) ->
     window of mel frames for the audio tower."""
     names = ("audio_tower",) if medium == "input_features" else ("visual", "vision_tower")
     tower = next(t for owner in _tower_owners(hf_model) for t in (getattr(owner, n, None) for n in names) if t)
-    config = tower.config
+    config, dtype = tower.config, next(tower.parameters()).dtype
     if medium == "input_features":
         # half a window (the encoders cut clips into windows of 2 * n_window frames): every release's encoder takes
         # it, where 4.57's and 5.6's Qwen3-Omni encoder fails on a whole window of its 2 * 100 frames
         frames = config.n_window
-        dtype = next(tower.parameters()).dtype
         return {"input_features": torch.zeros(1, config.num_mel_bins, frames, dtype=dtype, device=device),
                 "feature_attention_mask": torch.ones(1, frames, dtype=torch.long, device=device)}
-    dtype = next(tower.parameters()).dtype
     if not hasattr(tower, "patch_embed"):  # a fixed-size tower: one image of its size
         size = config.image_size if isinstance(config.image_size, (list, tuple)) else [config.image_size] * 2
         return {medium: torch.zeros(1, config.num_channels, *size, dtype=dtype, device=device)}

@@ -92,13 +92,13 @@ def _keep_towers_in_step(model: nn.Module) -> None:
     another rank has would still skip collectives of that tower: DDP's gradient reduction (it hangs without
     find_unused_parameters, which gradient checkpointing turns off), ZeRO-1/2's gradient buckets, ZeRO-3's weight
     gathers. parallel/towers.py's placeholders keep those ranks in step, as under our FSDP2."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
     hf_model = apply.find_hf_model(model)
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and tower_modules(hf_model)):
         return
     # the flags' all-gather runs where the backend does
     device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device(detect_device_type(), local_rank())
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
     # ZeRO-3 gathers weights in every forward, DDP and ZeRO-1/2 reduce gradients only
     installed = keep_media_in_step(model, hf_model, device, gradients_only=not is_deepspeed_zero3_enabled())
     if installed is not None:
