@@ -105,20 +105,31 @@ def save_hf_consolidated(
 
 # ---- sharded (resumable) checkpoints --------------------------------------------------------
 def mark_complete(path: str, **info: Any) -> None:
-    """Write the COMPLETE marker into ``path`` (durably). Call once every rank has finished writing."""
+    """Write the COMPLETE marker into ``path`` (durably). Call once every rank has finished writing.
+
+    The marker appears whole or not at all: written under another name, fsync'ed, then renamed (a process killed
+    while writing it leaves no marker, never an empty one that reads as "complete")."""
     marker = os.path.join(path, COMPLETE_MARKER)
-    with open(marker, "w") as f:
+    partial = marker + STAGING_SUFFIX
+    with open(partial, "w") as f:
         json.dump({"world_size": dist.get_world_size() if dist.is_initialized() else 1, "time": time.time(),
                    **info}, f)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(partial, marker)
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def unmark(path: str) -> None:
-    """Remove the COMPLETE marker of ``path`` (before it is written over)."""
+    """Remove the COMPLETE marker of ``path`` (before it is written over), and a marker write a kill cut short."""
     marker = os.path.join(path, COMPLETE_MARKER)
-    if os.path.exists(marker):
-        os.remove(marker)
+    for name in (marker, marker + STAGING_SUFFIX):
+        if os.path.exists(name):
+            os.remove(name)
 
 
 def save_model_shards(model: nn.Module, path: str) -> None:

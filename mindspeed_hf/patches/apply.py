@@ -255,6 +255,8 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
         hf_model.__dict__.pop("_mindspeed_explicit_attention", None)  # set_attn_implementation is ours, not theirs
     if family.experts:
         experts.settle(hf_model, config.kernels.experts)
+    if family.linear_attention:
+        linear_attention.settle(hf_model, family, _modeling(family))
     result = report(model)
     _announce(hf_model, result)
     return result

@@ -161,3 +161,20 @@ def patch_family(family, module, switch: Callable[[Any, str, str, Callable], Non
     norm = getattr(module, family.gated_rms_norm, None) if family.gated_rms_norm else None
     if norm is not None:
         switch(norm, "forward", "rms_norm", gated_rms_norm_forward(norm.forward))
+
+
+def settle(model: nn.Module, family, module) -> int:
+    """Layers of `model` built before enable() on transformers < 5.20 hold HF's own chunked rule, bound when the layer
+    was built (5.20+ call it by name): point them at the module's switched rule, so the kernel report() names is the
+    one that runs. A rule HF bound from flash-linear-attention is left alone. Returns the layers rebound."""
+    layer_cls, current = getattr(module, family.linear_attention, None), getattr(module, CHUNK_RULE, None)
+    hf_rule = getattr(current, "__wrapped__", None)  # scope.switch keeps HF's function there
+    if layer_cls is None or hf_rule is None:
+        return 0
+    rebound = 0
+    for layer in model.modules():
+        if isinstance(layer, layer_cls) and vars(layer).get("chunk_gated_delta_rule") is hf_rule:
+            layer.chunk_gated_delta_rule = current
+            rebound += 1
+    return rebound
+

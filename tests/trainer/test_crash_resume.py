@@ -178,8 +178,9 @@ def test_command_resume_flag_continues_a_killed_run_exactly(tmp_path):
 
     def metrics(out: Path, *extra: str) -> dict:
         file = tmp_path / f"{out.name}-{len(extra)}.json"
-        subprocess.run([*cmd, "--output_dir", str(out), "--metrics-file", str(file), *extra], env=env, cwd=REPO,
-                       check=True, capture_output=True, timeout=300)
+        proc = subprocess.run([*cmd, "--output_dir", str(out), "--metrics-file", str(file), *extra], env=env,
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
         return json.loads(file.read_text())
 
     whole = metrics(tmp_path / "whole")
@@ -197,6 +198,26 @@ def test_command_resume_flag_continues_a_killed_run_exactly(tmp_path):
     assert resumed["steps"] == 8 and resumed["losses"], resumed
     for step, loss in resumed["losses"].items():
         assert abs(loss - whole["losses"][step]) <= 1e-5, step
+
+
+def test_a_marker_write_cut_short_leaves_no_marker(tmp_path, monkeypatch):
+    """A kill while COMPLETE is being written must not leave an empty marker that reads as "complete" (seen: the
+    command's resume then found checkpoint-2 "complete", its marker unreadable, and nothing to resume from)."""
+    from mindspeed_hf.parallel import checkpoint as ckpt_lib
+
+    def cut(obj, f):
+        f.write(json.dumps(obj)[:5])
+        raise KeyboardInterrupt  # stands for the SIGKILL: the process stops mid-write
+
+    monkeypatch.setattr(ckpt_lib.json, "dump", cut)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt_lib.mark_complete(str(tmp_path), global_step=2)
+    assert not ckpt_lib.is_complete_checkpoint(str(tmp_path))
+    monkeypatch.undo()
+    ckpt_lib.mark_complete(str(tmp_path), global_step=2)
+    assert json.loads((tmp_path / COMPLETE_MARKER).read_text())["global_step"] == 2
+    ckpt_lib.unmark(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_a_truncated_dcp_shard_is_named(tmp_path):
