@@ -89,18 +89,25 @@ def test_lora_with_gradient_checkpointing_under_zero3_matches(results):
     assert zero3["lora"]["losses"] != zero3["accelerated"]["losses"]  # the adapters trained, not the base
 
 
-def test_zero3_multimodal_rows_of_mixed_media_equal_one_process(tmp_path):
-    """A tiny Qwen2.5-VL under ZeRO-3 on 2 ranks, rows with images, videos, both or neither: a rank whose rows lack
-    a medium would skip the partitioned tower's gathers (gloo: "Connection reset by peer"); with mindspeed_hf it runs
-    the tower on a placeholder (parallel/towers.py), and the plain Trainer script equals one plain-HF process on the
-    same global batches (losses, grad norms, every parameter after 3 SGD steps, 1e-5; the loss a token mean over the
-    ranks on both sides)."""
+# ZeRO-2 reduces the gradients of every parameter a backward reached: a rank with text rows only leaves the tower's
+# unreduced (rows with images or none); ZeRO-3 gathers the tower's weights in every tower call: a rank with images but
+# no videos calls it once less (rows with images, videos, both or neither)
+MIXED_MEDIA = {"zero2": ("--token-mean",), "zero3": ("--token-mean", "--videos")}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_multimodal_rows_of_mixed_media_equal_one_process(tmp_path, stage):
+    """A tiny Qwen2.5-VL under ZeRO-2 / ZeRO-3 on 2 ranks, a rank's rows lacking a medium the other rank's have: it
+    would skip collectives of the tower (above; gloo: "Connection reset by peer"); with mindspeed_hf it runs the
+    tower on a placeholder (parallel/towers.py), and the plain Trainer script equals one plain-HF process on the same
+    global batches (losses, grad norms, every parameter after 3 SGD steps, 1e-5; the loss a token mean over the ranks
+    on both sides)."""
     from child_runs import assert_trained_alike, run_trainer_worker
 
-    worker, data = HERE / "vlm_context_worker.py", ("--token-mean", "--videos")
-    want = run_trainer_worker(worker, tmp_path, "reference", "reference", *data)
-    run = run_trainer_worker(worker, tmp_path, "zero3", "sharded", "--dp", "2", "--deepspeed", *data,
-                             config="backend: torch\n")
+    worker = HERE / "vlm_context_worker.py"
+    want = run_trainer_worker(worker, tmp_path, "reference", "reference", *MIXED_MEDIA[stage])
+    run = run_trainer_worker(worker, tmp_path, stage, "sharded", "--dp", "2", "--deepspeed", stage,
+                             *MIXED_MEDIA[stage], config="backend: torch\n")
     assert sum(run["placeholders"].values()) > 0, run["placeholders"]
     assert run["ran"]["fused_linear_cross_entropy"] > 0 and run["ran"]["vision_attention"] > 0
     assert_trained_alike(run, want, TOL)

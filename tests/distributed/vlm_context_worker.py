@@ -38,8 +38,8 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--packed", action="store_true", help="FlatteningCollator (rows packed into one)")
     parser.add_argument("--videos", action="store_true", help="rows with videos too (tiny_vlms.vlm_rows)")
-    parser.add_argument("--deepspeed", action="store_true",
-                        help="DeepSpeed ZeRO-3 (deepspeed_worker's config) instead of sizes from MINDSPEED_HF_CONFIG")
+    parser.add_argument("--deepspeed", choices=["zero2", "zero3"],
+                        help="that DeepSpeed stage (deepspeed_worker's config) instead of sizes from MINDSPEED_HF_CONFIG")
     parser.add_argument("--checkpointing", action="store_true",
                         help="gradient_checkpointing=True (under DDP Trainer then sets find_unused_parameters=False)")
     parser.add_argument("--rank0-forward", action="store_true",
@@ -64,7 +64,7 @@ def main() -> None:
     if opts.deepspeed:
         from deepspeed_worker import STAGES, ds_config  # (no DeepSpeed C++ build: see there)
 
-        extra["deepspeed"] = ds_config(STAGES["zero3"])
+        extra["deepspeed"] = ds_config(STAGES[opts.deepspeed])
     if opts.checkpointing:
         extra["gradient_checkpointing"] = True
     args = TrainingArguments(**extra, output_dir=opts.out + ".dir", max_steps=STEPS, optim="sgd", learning_rate=0.5,
@@ -90,7 +90,7 @@ def main() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(placeholders)
     with contextlib.ExitStack() as stack:
-        if opts.deepspeed:  # ZeRO-3 partitions every parameter: gathered whole for the copy
+        if opts.deepspeed == "zero3":  # ZeRO-3 partitions every parameter: gathered whole for the copy
             import deepspeed
 
             stack.enter_context(deepspeed.zero.GatheredParameters(list(trainer.model.parameters())))
