@@ -4,7 +4,8 @@ find_unused_parameters=False, and a rank whose rows have no image leaves the tow
 mindspeed_hf's placeholder the run hangs in its second step: seen); with mindspeed_hf it
 runs the tower on a placeholder (parallel/towers.py) and equals one plain-HF process on the same global batches
 (losses, grad norms, every parameter after 3 SGD steps, 1e-5; the loss a token mean over the ranks on both sides).
-The DeepSpeed ZeRO-2 and ZeRO-3 cases: test_deepspeed.py. And a model outside the tested placeholders: one line on every rank."""
+The DeepSpeed ZeRO-2 and ZeRO-3 cases: test_deepspeed.py. And a model outside the tested placeholders: one line on
+every rank."""
 
 from __future__ import annotations
 

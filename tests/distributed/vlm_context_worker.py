@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--packed", action="store_true", help="FlatteningCollator (rows packed into one)")
     parser.add_argument("--videos", action="store_true", help="rows with videos too (tiny_vlms.vlm_rows)")
     parser.add_argument("--deepspeed", choices=["zero2", "zero3"],
-                        help="that DeepSpeed stage (deepspeed_worker's config) instead of sizes from MINDSPEED_HF_CONFIG")
+                        help="this DeepSpeed stage (deepspeed_worker's config), not sizes from MINDSPEED_HF_CONFIG")
     parser.add_argument("--checkpointing", action="store_true",
                         help="gradient_checkpointing=True (under DDP Trainer then sets find_unused_parameters=False)")
     parser.add_argument("--rank0-forward", action="store_true",
