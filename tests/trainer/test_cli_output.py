@@ -79,8 +79,10 @@ def test_ctrl_c_says_how_to_resume(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "mindspeed_hf.cli.main", "train", "--skip-quality-eval", "--save_strategy", "steps",
            "--save_steps", "2", "--max_steps", "400", "--output_dir", str(out)]
+    # a terminal's Ctrl-C reaches a process whose SIGINT is not ignored: a test run started in the background of a
+    # non-interactive shell ignores it, and a child inherits that (Python then installs no KeyboardInterrupt)
     proc = subprocess.Popen(cmd, env=child_env(auto=True), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     while not (out / "checkpoint-4" / COMPLETE_MARKER).exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
