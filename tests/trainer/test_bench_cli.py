@@ -1,6 +1,7 @@
-"""`mindspeed-hf bench` end to end on the npu path (the stand-in torch_npu on the children's path): the counted
-step of each side, with fewer kernels dispatched than plain HF; `--profile` writes a chrome trace that loads,
-with events, and prints the top operators; `--plot` writes a PNG; bad options fail in one line before any run."""
+"""`mindspeed-hf bench` end to end on the npu path (the stand-in torch_npu on the children's path): two interleaved
+pairs of runs, the counted step of each side, with fewer kernels dispatched than plain HF; `--profile` writes a
+chrome trace that loads, with events, and prints the top operators; `--plot` writes a PNG; bad options fail in one
+line before any run."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _row(out: str, name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def npu_bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
-    args = ["bench", "--steps", "2", "--repeats", "1", "--backend", "npu", "--profile", str(tmp / "prof"),
+    args = ["bench", "--steps", "2", "--repeats", "2", "--backend", "npu", "--profile", str(tmp / "prof"),
             "--workdir", str(tmp / "work")]
     if bench_plot.matplotlib_available():
         args += ["--plot", str(tmp / "chart.png")]
@@ -48,6 +49,20 @@ def test_bench_counts_a_step_of_each_side(npu_bench):
     assert "torch_npu here is the CPU stand-in" in out
     for name in ("aten operators", "saved for backward (MiB)", "largest tensor allocated (MiB)"):
         assert _row(out, name)[3].endswith("x"), name
+
+
+def test_bench_runs_interleaved_pairs(npu_bench):
+    """Two repeats: baseline and accelerated alternate (ABBA), each side a separate process; per-step losses equal."""
+    out, _ = npu_bench
+    assert "| | baseline (plain HF) (median) | mindspeed_hf (median) | ratio (median) |" in out
+    order = [line.split(":")[0] for line in out.splitlines() if line.startswith("[bench] ")]
+    assert order == ["[bench] baseline_0", "[bench] accelerated_0", "[bench] accelerated_1", "[bench] baseline_1"]
+    losses = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(losses) == 2
+    for line in losses:
+        assert float(line.split("|")[4]) <= 1e-5, line
+    worst = next(line for line in out.splitlines() if line.startswith("| max per-step loss diff"))
+    assert float(worst.split("|")[3]) <= 1e-5, worst
 
 
 def test_bench_profile_writes_a_loadable_trace_and_top_ops(npu_bench):
