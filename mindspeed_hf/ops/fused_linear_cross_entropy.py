@@ -7,15 +7,17 @@ mean over valid tokens. Gemma2/3 final-logit softcapping (`tanh(z / cap) * cap`,
 is applied when asked.
 
 Only rows with a valid target are projected (an ignored row adds nothing to the loss or to any gradient), in
-chunks of `chunk_size` rows, so at most one [chunk, vocab] block lives at a time. Three paths, chosen from what
+chunks of `chunk_size` rows, so at most one [chunk, vocab] block lives at a time. Four paths, chosen from what
 `lm_head_or_weight` is:
 - a plain `nn.Linear` (or a weight tensor) with a local weight: `_ChunkedLinearCE`, an autograd Function that
   computes the gradients of hidden and weight chunk by chunk inside the forward (weight grad accumulated in
   fp32), so the backward only scales them;
+- a tensor-parallel (vocab-parallel) `nn.Linear`, its weight a DTensor `Shard(0)` on the tp mesh, no softcapping:
+  each rank scores its own vocabulary slice, [chunk, vocab / tp] logits never gathered (ops/vocab_parallel.py);
 - any other module (PEFT LoRA on lm_head, `modules_to_save` wrappers, an FSDP2 module whose weight is a sharded
-  DTensor, tensor-parallel heads, a DeepSpeed ZeRO-3 Linear, partitioned or gathered at the moment): the module
+  DTensor, a DeepSpeed ZeRO-3 Linear, partitioned or gathered at the moment): the module
   itself is called on each chunk under `torch.utils.checkpoint`, so its adapters take part and get gradients
-  and its hooks (FSDP unshard, TP gather, ZeRO-3 gather) run, while the chunk's logits are recomputed in the
+  and its hooks (FSDP unshard, ZeRO-3 gather) run, while the chunk's logits are recomputed in the
   backward instead of kept;
 - a bare empty (ZeRO-3) weight TENSOR without gradient (eval): gathered with `deepspeed.zero.GatheredParameters`
   around the same Function; with a gradient it is refused with a clear error (see `_resolve_head`).
@@ -33,6 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..device import import_torch_npu
+from . import vocab_parallel
 from .registry import register, run
 
 OP = "fused_linear_cross_entropy"
@@ -340,7 +343,10 @@ def fused_linear_cross_entropy(
     if path[0] == "module":
         module = path[1]
         rows = chunk_size or default_chunk_size(_out_features(module))
-        total = _module_loss_sum(module, flat, target, softcap, rows).float()
+        if softcap is None and vocab_parallel.is_vocab_parallel_head(module):  # tp: logits stay vocab slices
+            total = run(vocab_parallel.OP, flat.device)(flat, module, target, rows)
+        else:
+            total = _module_loss_sum(module, flat, target, softcap, rows).float()
         if n_valid == 0:  # the module ran on zero rows: HF's 0 (or 0/0 = nan) with zero gradients
             return total + (float("nan") if divisor == 0 else 0.0)
         return total / divisor

@@ -17,12 +17,12 @@
 * a PEFT LoRA layer on a projection: its base layer as above; on a colwise one A replicated and B colwise, on a
   rowwise one A rowwise and B replicated (``_lora_styles``);
 * embeddings: vocab-parallel (``Shard(0)``, masked lookup, partial sums reduced); lm_head: HF's own class plan
-  ``colwise_gather_output`` (weight ``Shard(0)``, the logits of each loss chunk gathered over the vocab shards).
+  ``colwise_gather_output`` (weight ``Shard(0)``; the fused loss scores each vocab slice where it is: below).
 
-The loss: the chunked fused loss (ops/fused_linear_cross_entropy.py) takes the lm_head as a MODULE (its weight is a
-DTensor), so each chunk's logits are gathered ([chunk, V], never [tokens, V]) and the cross-entropy is the ordinary
-one. ``vocab_parallel_linear_cross_entropy`` below is the vocab-parallel form (local [chunk, V/tp] logits, never
-gathered; max, sum-exp and target logit all-reduced over tp) for the fused loss to call once it learns of tp heads.
+The loss: the chunked fused loss (ops/fused_linear_cross_entropy.py) sees the lm_head's DTensor ``Shard(0)`` weight
+and scores each chunk on this rank's vocabulary slice (ops/vocab_parallel.py: [chunk, V/tp] logits, never gathered;
+row max, sum-exp and target logit all-reduced over tp). A head it cannot take so (PEFT LoRA on lm_head, final-logit
+softcapping) is called as a module: each chunk's logits gathered over tp ([chunk, V], never [tokens, V]).
 
 Sequence parallelism (``sequence_parallel=True``): between layers the hidden states are DTensors ``Shard(1)`` on
 tp; the residual-stream norms run on the local sequence shard with the replicated weight (their gradient summed
@@ -63,6 +63,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..ops.vocab_parallel import GradAllReduce, vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from ..versions import installed
 from .fsdp import unwrap_hf_model
 
@@ -136,21 +137,6 @@ def tensor_parallel_plan(base: nn.Module, plan: dict[str, str]) -> dict[str, str
 
 
 # ---------------------------------------------------------------------------------------------- autograd pieces
-class _GradAllReduce(torch.autograd.Function):
-    """Identity forward; the gradient summed over `group` (a replicated input whose users each saw a part)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class _SumForward(torch.autograd.Function):
     """The partial outputs of the ranks summed over `group`; the gradient passes unchanged."""
 
@@ -187,7 +173,7 @@ def _local_params(module: nn.Module, group: dist.ProcessGroup, reduce_grad: bool
             if isinstance(param, DTensor):
                 local = param.to_local()
                 if reduce_grad and param.requires_grad and torch.is_grad_enabled():
-                    local = _GradAllReduce.apply(local, group)
+                    local = GradAllReduce.apply(local, group)
                 module._parameters[name] = local
         yield
     finally:
@@ -203,9 +189,9 @@ def _local_forward(self: nn.Module, *args, **kwargs):
     if global_x is not None:
         x = global_x.to_local()
     if state.experts and torch.is_grad_enabled():
-        x = _GradAllReduce.apply(x, group)
+        x = GradAllReduce.apply(x, group)
         if len(rest) >= 2:
-            rest[1] = _GradAllReduce.apply(rest[1], group)
+            rest[1] = GradAllReduce.apply(rest[1], group)
     with _local_params(self, group, state.reduce_grad):
         out = state.original(x, *rest, **kwargs)
     if state.experts:
@@ -377,74 +363,3 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     _grads_in_param_placements(hf_model)
     hf_model._mindspeed_tp_mesh = tp_mesh
     return model
-
-
-# ---------------------------------------------------------------------------------------------- vocab-parallel CE
-class _VocabParallelCE(torch.autograd.Function):
-    """Summed cross-entropy of local logits [n, V/tp] (this rank's vocab slice from `start`) against global
-    targets [n]: row max, sum of exp and the target logit all-reduced over `group`."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int, group: dist.ProcessGroup):
-        logits = logits.float()
-        row_max = logits.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        probs = (logits - row_max.unsqueeze(-1)).exp()
-        denom = probs.sum(dim=-1)
-        dist.all_reduce(denom, group=group)
-        local = target - start
-        mine = (local >= 0) & (local < logits.shape[-1])
-        rows = torch.arange(target.numel(), device=target.device)
-        picked = torch.where(mine, logits[rows, local.clamp(0, logits.shape[-1] - 1)], 0.0)
-        dist.all_reduce(picked, group=group)
-        probs /= denom.unsqueeze(-1)
-        ctx.save_for_backward(probs, local, mine)
-        return (row_max + denom.log() - picked).sum()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        probs, local, mine = ctx.saved_tensors
-        rows = torch.arange(local.numel(), device=local.device)[mine]
-        out = probs.clone()
-        out[rows, local[mine]] -= 1.0
-        return out * grad, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int,
-                                 group: dist.ProcessGroup) -> torch.Tensor:
-    """``F.cross_entropy(full_logits, target, reduction="sum")`` from this rank's vocab slice ``[n, V/tp]``
-    (columns ``start .. start + V/tp`` of the full logits); every target must be valid (filter ignored rows
-    first). Differentiable in `logits`; the gradient of each rank's slice is local (no communication)."""
-    return _VocabParallelCE.apply(logits, target, start, group)
-
-
-def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, head: nn.Module, target: torch.Tensor,
-                                        chunk_size: int = 1024) -> torch.Tensor:
-    """Summed ``cross_entropy(head(hidden), target)`` for a vocab-parallel lm_head (``weight`` a DTensor
-    ``Shard(0)`` on a 1-D tp mesh, no bias), chunk by chunk on the local weight: the [chunk, V/tp] logits are
-    recomputed in the backward (checkpoint), never gathered. `hidden` [n, H] is the same on every tp rank and
-    every `target` valid. The weight gradient stays on its shard; the hidden gradient is summed over tp."""
-    from torch.utils.checkpoint import checkpoint
-
-    weight = head.weight
-    if not isinstance(weight, DTensor) or weight.placements != (Shard(0),) or getattr(head, "bias", None) is not None:
-        raise ValueError("vocab_parallel_linear_cross_entropy: the lm_head weight must be a DTensor Shard(0) on a "
-                         "1-D tp mesh, without bias")
-    group = weight.device_mesh.get_group()
-    rank, tp = weight.device_mesh.get_local_rank(), weight.device_mesh.size()
-    start = rank * -(-weight.shape[0] // tp)  # torch.chunk's split, as DTensor's Shard(0)
-    local = weight.to_local()
-    if torch.is_grad_enabled():
-        hidden = _GradAllReduce.apply(hidden, group)
-
-    def chunk_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(nn.functional.linear(h, w), t, start, group)
-
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for first in range(0, hidden.shape[0], chunk_size):
-        rows = slice(first, first + chunk_size)
-        if torch.is_grad_enabled():
-            total = total + checkpoint(chunk_loss, hidden[rows], local, target[rows], use_reentrant=False)
-        else:
-            total = total + chunk_loss(hidden[rows], local, target[rows])
-    return total

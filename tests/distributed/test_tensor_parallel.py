@@ -83,6 +83,8 @@ def test_kernels_ran_on_local_shards(two, case):
     for ran in r["ran_per_rank"]:  # 3 steps x (2 layers, or 1 loss): every kernel ran on every rank
         assert all(ran[k] >= 3 for k in KERNELS), ran
         assert ran["experts"] == (6 if case == "qwen3_moe" else 0), ran
+        # every loss scored on the rank's vocab slice (ops/vocab_parallel.py), the [chunk, vocab] logits never gathered
+        assert ran.get("vocab_parallel_cross_entropy") == ran["fused_linear_cross_entropy"], ran
     seen = r["seen"]
     assert seen["dtensor_args"] == 0  # our kernels got plain tensors
     assert seen["attention_heads"] == [2]  # 4 heads / tp 2: the local heads
@@ -118,6 +120,7 @@ def test_dp_shard2_x_tp2_with_fsdp2(four):
     # FSDP2's dim-0 shard over dp, taken from inside tp's Shard(0): each rank holds a quarter
     assert layer == ["(_StridedShard(dim=0, sf=2), Shard(dim=0))", 0.25], layer
     assert r["ran"]["attention"] >= 6 and r["ran"]["fused_linear_cross_entropy"] == 3
+    assert r["ran"].get("vocab_parallel_cross_entropy") == 3, r["ran"]  # FSDP2's unsharded head: the tp slice
 
 
 # ---------------------------------------------------------------------------------------------- plain Trainer
