@@ -175,6 +175,20 @@ def test_plain_trainer_dp_shard2_x_tp2(trainer_root):
 
 
 @needs_tp
+@pytest.mark.parametrize("memory", ["recompute: full", "offload_activations: true"])
+def test_plain_trainer_tp2_with_recompute_or_offload(trainer_root, memory):
+    """tp=2 with a memory setting on (each decoder layer recomputed in backward on its local shards, or what it saves
+    offloaded): the same 3 steps as one plain-HF process. (Selective recompute under tp is refused in one line:
+    tests/test_config_device.py.)"""
+    ref = _trainer_run(trainer_root, "reference_llama", "reference", "--family", "llama")
+    run = _trainer_run(trainer_root, "tp2_" + memory.split(":")[0], "tp", "--family", "llama",
+                       config=f"parallel: {{tp: 2}}\nmemory: {{{memory}}}\n")
+    layers = 2 if "recompute" in memory else 0, 2 if "offload" in memory else 0
+    assert run["tp"] == 2 and (run["memory"]["recompute"], run["memory"]["offload"]) == layers, run["memory"]
+    _same_as(run, ref)
+
+
+@needs_tp
 def test_plain_trainer_lora_under_tp2(trainer_root):
     """A PEFT LoRA adapter on every projection under tp=2: A replicated / B column-sharded on q, k, v, gate, up; A
     row-sharded / B replicated on o, down. Losses, grad norms and every parameter equal one process; save_model
