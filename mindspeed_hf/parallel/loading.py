@@ -43,6 +43,17 @@ __all__ = [
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 
+#: module names transformers 5 renames when it loads a checkpoint, as (in the model, in the checkpoint): Mixtral's
+#: MoE block (its conversion_mapping)
+CHECKPOINT_RENAMES: tuple[tuple[str, str], ...] = ((".mlp.", ".block_sparse_moe."),)
+#: transformers 5's fused experts tensors ([E, ...]) and the per-expert weights its save_pretrained writes for them
+#: (`<module>.experts.<e>.<weight>`; expert e's slice is its weights concatenated on dim 0, as its conversion_mapping
+#: does): Qwen-MoE naming, then Mixtral's.
+PER_EXPERT_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "experts.gate_up_proj": (("gate_proj.weight", "up_proj.weight"), ("w1.weight", "w3.weight")),
+    "experts.down_proj": (("down_proj.weight",), ("w2.weight",)),
+}
+
 
 def build_meta_model(
     config: Any,
@@ -240,7 +251,9 @@ def load_sharded_safetensors(
     """Fill ``model``'s parameters (each rank its own ``Shard(0)`` rows) and persistent buffers.
 
     Works for DTensor (FSDP-sharded) and plain tensors alike; values are cast to the parameter
-    dtype. Tied weights missing from the checkpoint are read under their partner's name.
+    dtype. Tied weights missing from the checkpoint are read under their partner's name; fused experts tensors
+    stored per expert (what transformers 5's save_pretrained and the Hub's MoE checkpoints hold) are read from
+    their per-expert keys, each rank reading only its own experts.
     Returns the names that were not found (raises instead when ``strict``). Files are re-opened
     every ``window_bytes`` read so the mapped pages a rank has touched stay bounded.
     """
@@ -254,13 +267,16 @@ def load_sharded_safetensors(
             if buf is not None and n not in module._non_persistent_buffers_set:
                 targets[f"{mod_name}.{n}" if mod_name else n] = buf
     plan: dict[str, list[tuple[str, str, torch.Tensor]]] = {}
+    per_expert: list[tuple[str, list[list[str]], torch.Tensor]] = []
     missing: list[str] = []
     for name, tensor in targets.items():
-        key = name if name in files else next((a for a in aliases.get(name, []) if a in files), None)
-        if key is None:
+        key = next((k for k in _checkpoint_names(name, aliases) if k in files), None)
+        if key is not None:
+            plan.setdefault(files[key], []).append((name, key, tensor))
+        elif (keys := _per_expert_keys(name, tensor, files)) is not None:
+            per_expert.append((name, keys, tensor))
+        else:
             missing.append(name)
-            continue
-        plan.setdefault(files[key], []).append((name, key, tensor))
     if missing and strict:
         raise KeyError(
             f"load_sharded_safetensors: {len(missing)} tensors missing from {path!r}: "
@@ -276,7 +292,53 @@ def load_sharded_safetensors(
                 while i < len(items) and budget < window_bytes:
                     budget += _read_one(f, file, *items[i])
                     i += 1
+    for name, keys, tensor in per_expert:
+        _read_experts(files, name, keys, tensor)
     return missing
+
+
+def _checkpoint_names(name: str, aliases: dict[str, list[str]]) -> list[str]:
+    """The names a model tensor may have in a checkpoint: its own, its tied partners', under CHECKPOINT_RENAMES."""
+    names = [name, *aliases.get(name, [])]
+    return names + [n.replace(new, old) for n in names for new, old in CHECKPOINT_RENAMES if new in n]
+
+
+def _per_expert_keys(name: str, tensor: torch.Tensor, files: dict[str, str]) -> list[list[str]] | None:
+    """For a fused experts tensor the checkpoint stores per expert (PER_EXPERT_KEYS): each expert's keys, in order;
+    None when `name` is not one or the checkpoint lacks one of its experts' keys."""
+    fused = next((f for f in PER_EXPERT_KEYS if name.endswith(f)), None)
+    if fused is None:
+        return None
+    for module in _checkpoint_names(name[: -len(fused)], {}):
+        for weights in PER_EXPERT_KEYS[fused]:
+            keys = [[f"{module}experts.{e}.{w}" for w in weights] for e in range(tensor.shape[0])]
+            if all(k in files for each in keys for k in each):
+                return keys
+    return None
+
+
+def _read_experts(files: dict[str, str], name: str, keys: list[list[str]], tensor: torch.Tensor) -> None:
+    """Fill a fused experts tensor from per-expert keys: this rank's experts only (its Shard / _StridedShard rows of
+    dim 0), each expert's weights concatenated on dim 0 as transformers' loader does, cut to this rank's slice of
+    the other dims."""
+    from safetensors import safe_open
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    slices = (local_shard_slices(tuple(tensor.shape), tensor.device_mesh, tensor.placements)
+              if isinstance(tensor, DTensor) else tuple(slice(0, n) for n in tensor.shape))
+    rows = []
+    for expert in range(*slices[0].indices(tensor.shape[0])):
+        parts = []
+        for key in keys[expert]:
+            with safe_open(files[key], framework="pt", device="cpu") as f:
+                parts.append(f.get_tensor(key))
+        whole = torch.cat(parts)
+        if tuple(whole.shape) != tuple(tensor.shape[1:]):
+            raise ValueError(f"load_sharded_safetensors: {name} has experts of shape {tuple(tensor.shape[1:])} in the "
+                             f"model but {tuple(whole.shape)} from {keys[expert]}")
+        rows.append(whole[slices[1:]])
+    if rows:
+        local.copy_(torch.stack(rows))
 
 
 def _read_one(f: Any, file: str, name: str, key: str, tensor: torch.Tensor) -> int:

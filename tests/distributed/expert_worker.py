@@ -222,27 +222,37 @@ def adapter_save(root: str, world: int) -> dict:
 
 
 def sharded_loading(root: str, world: int) -> dict:
-    """from_pretrained_sharded with ep: each rank reads only its experts; the gathered model equals from_pretrained."""
+    """from_pretrained_sharded with ep: each rank reads only its experts, from a checkpoint of the fused layout or
+    of the per-expert keys transformers' save_pretrained writes (Qwen-MoE and Mixtral namings); the gathered model
+    equals from_pretrained's."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     from mindspeed_hf.parallel import from_pretrained_sharded, fsdp_mesh
 
-    if dist.get_rank() == 0:  # the fused layout (save_pretrained would write transformers' per-expert keys)
-        from safetensors.torch import save_file
-
-        source = tiny_model("qwen3_moe", seed=3)
-        source.config.save_pretrained(f"{root}/load_src")
-        save_file({k: v.contiguous() for k, v in source.state_dict().items()}, f"{root}/load_src/model.safetensors",
-                  metadata={"format": "pt"})
+    sources = {"fused": "qwen3_moe", "per_expert": "qwen3_moe", "per_expert_mixtral": "mixtral"}
+    if dist.get_rank() == 0:
+        for layout, family in sources.items():
+            source, where = tiny_model(family, seed=3), f"{root}/load_{layout}"
+            if layout == "fused":
+                source.config.save_pretrained(where)
+                save_file({k: v.contiguous() for k, v in source.state_dict().items()}, f"{where}/model.safetensors",
+                          metadata={"format": "pt"})
+            else:
+                source.save_pretrained(where)
     dist.barrier()
     dims = ParallelDims(ep=2, world_size=world)
     mesh = dims.build_mesh("cpu")
-    model = from_pretrained_sharded(f"{root}/load_src", fsdp_mesh(mesh, dims), dims=dims)
-    experts = next(m for m in model.modules() if hasattr(m, "_mindspeed_ep"))
-    got = full_params(model)
-    want = dict(AutoModelForCausalLM.from_pretrained(f"{root}/load_src").named_parameters())
-    return {"max_diff": max((got[n] - p).abs().max().item() for n, p in want.items()),
-            "local_rows": experts.gate_up_proj.to_local().shape[0], "same_names": sorted(got) == sorted(want)}
+    result = {}
+    for layout in sources:
+        model = from_pretrained_sharded(f"{root}/load_{layout}", fsdp_mesh(mesh, dims), dims=dims)
+        experts = next(m for m in model.modules() if hasattr(m, "_mindspeed_ep"))
+        got = full_params(model)
+        want = dict(AutoModelForCausalLM.from_pretrained(f"{root}/load_{layout}").named_parameters())
+        result[layout] = {"max_diff": max((got[n] - p).abs().max().item() for n, p in want.items()),
+                          "local_rows": experts.gate_up_proj.to_local().shape[0],
+                          "same_names": sorted(got) == sorted(want)}
+    return result
 
 
 def router_outputs(family, world) -> dict:

@@ -205,9 +205,13 @@ def test_dcp_resume_exact_also_onto_another_layout(two):
 @needs_fused
 @pytest.mark.parametrize("launch", ["two", "four"])
 def test_from_pretrained_sharded_reads_local_experts(launch, request):
-    r = request.getfixturevalue(launch)["loading"]
-    assert r["same_names"] and r["max_diff"] == 0.0
-    assert r["local_rows"] == (2 if launch == "two" else 1)  # 4 experts / ep 2 (/ efsdp 2 on four ranks)
+    """Fused-layout checkpoints and the per-expert keys of save_pretrained / the Hub (qwen3_moe's gate_proj / up_proj /
+    down_proj, Mixtral's w1 / w3 / w2 under block_sparse_moe) load equal to from_pretrained."""
+    loaded = request.getfixturevalue(launch)["loading"]
+    assert sorted(loaded) == ["fused", "per_expert", "per_expert_mixtral"]
+    for layout, r in loaded.items():
+        assert r["same_names"] and r["max_diff"] == 0.0, (layout, r)
+        assert r["local_rows"] == (2 if launch == "two" else 1), (layout, r)  # 4 experts / ep 2 (/ efsdp 2 on four)
 
 
 @needs_fused
