@@ -20,8 +20,6 @@ from mindspeed_hf.ops import registry
     ({"parallel": {"cp": 1.5}}, "parallel.cp=1.5 must be an integer"),
     ({"backend": "gpu"}, "backend='gpu' is not valid; choose one of auto, torch, npu, cuda"),
     ({"memory": [1]}, "section 'memory' must be a mapping of recompute"),
-    ({"parallel": {"tp": 2}, "memory": {"recompute": "selective"}}, "memory.recompute=selective with parallel.tp=2: "
-     "selective recompute of tensor-parallel layers is not supported yet"),
 ])
 def test_bad_config_names_setting_and_choices(data, message):
     with pytest.raises(ValueError) as err:

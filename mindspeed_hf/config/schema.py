@@ -243,11 +243,6 @@ class MindSpeedConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self, None)
-        if self.parallel.tp > 1 and self.memory.recompute_mode == "selective":
-            raise ValueError(f"memory.recompute=selective with parallel.tp={self.parallel.tp}: selective recompute "
-                             "of tensor-parallel layers is not supported yet (their recomputed inputs differ from "
-                             "the saved ones); valid choices: memory.recompute=full or false with tp, or "
-                             "parallel.tp=1")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

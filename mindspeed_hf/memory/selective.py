@@ -3,9 +3,11 @@
 A part (`self_attn`, `mlp`, a norm: a direct child of the decoder layer) gets an instance `forward` that runs its
 own forward under `checkpoint` while the model trains with gradients, and plainly otherwise. Nothing of the layer's
 code is copied: the class's forward (with whatever kernel is patched into it) is what runs, once in forward and
-once more in backward. The part's module hooks (mindspeed_hf.patches.scope's, which make the model's config
-current) run again around the recomputation, as they do around the forward, so the recomputed forward sees the
-same config on any thread. `unwrap` removes the instance forward, and the module is exactly what it was.
+once more in backward. The recomputation is that forward alone, on the inputs the forward got: the part's module
+hooks do not run again (a tensor-parallel plan's input hooks would redistribute inputs already redistributed); it
+runs in the context captured at the forward, so the config, backend and kernel counter that
+mindspeed_hf.patches.scope's hooks made current are current again, on any thread. `unwrap` removes the instance
+forward, and the module is exactly what it was.
 
 `attention_core` checkpoints the whole self-attention too, with a per-op policy (torch's selective activation
 checkpoint contexts): the outputs of the 2-D matmuls (the q/k/v/o projections, LoRA's included) are kept, and
@@ -79,20 +81,25 @@ def _recomputed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get(name) is not None:
             kwargs[name] = None
     _, context_fn = self.__dict__[_STATE]
+    context = contextvars.copy_context()  # what the hooks around this call made current
     first = [True]
 
     def run(*tensors: Any) -> Any:
-        if first[0]:  # the forward: the hooks already ran around this call
+        if first[0]:  # the forward
             first[0] = False
             return inner(*tensors, **kwargs)
-        token = _replaying.set(True)  # the recomputation, in backward: through __call__, so the hooks run again
-        try:
-            return self(*tensors, **kwargs)
-        finally:
-            _replaying.reset(token)
+        return context.run(_replay, inner, tensors, kwargs)  # the recomputation, in backward
 
     extra = {"context_fn": context_fn} if context_fn is not None else {}
     return checkpoint(run, *args, use_reentrant=False, **extra)
+
+
+def _replay(inner: Callable, args: tuple, kwargs: dict[str, Any]) -> Any:
+    token = _replaying.set(True)
+    try:
+        return inner(*args, **kwargs)
+    finally:
+        _replaying.reset(token)
 
 
 _recomputed_forward._mindspeed_transparent = True  # it runs the class forward: report() looks through it

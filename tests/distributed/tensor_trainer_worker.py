@@ -85,10 +85,12 @@ def main() -> None:
         facts = {"attention": trainer.model.get_base_model().config._attn_implementation if opts.lora
                  else trainer.model.config._attn_implementation, "shares": shares,
                  "tp": dims.tp if dims else 1, "dp": dims.dp_size if dims else 1,
-                 # decoder layers full recompute checkpoints (HF's flag), layers activation offload wrapped
+                 # decoder layers full recompute checkpoints (HF's flag), layer parts selective recompute wraps,
+                 # layers activation offload wrapped
                  "memory": {"recompute": sum(type(m).__name__.endswith("DecoderLayer") and
                                              getattr(m, "gradient_checkpointing", False) is True
                                              for m in trainer.model.modules()),
+                            "selective": sum("_mindspeed_recompute" in vars(m) for m in trainer.model.modules()),
                             "offload": sum(hasattr(m, "_mindspeed_offload") for m in trainer.model.modules())}}
         with open(opts.out, "w") as f:
             json.dump({"losses": record.losses, "grad_norms": record.grad_norms, **facts}, f)

@@ -175,16 +175,22 @@ def test_plain_trainer_dp_shard2_x_tp2(trainer_root):
 
 
 @needs_tp
-@pytest.mark.parametrize("memory", ["recompute: full", "offload_activations: true"])
-def test_plain_trainer_tp2_with_recompute_or_offload(trainer_root, memory):
-    """tp=2 with a memory setting on (each decoder layer recomputed in backward on its local shards, or what it saves
-    offloaded): the same 3 steps as one plain-HF process. (Selective recompute under tp is refused in one line:
-    tests/test_config_device.py.)"""
+@pytest.mark.parametrize(("memory", "wrapped"), [
+    ("recompute: full", {"recompute": 2, "selective": 0, "offload": 0}),
+    ("offload_activations: true", {"recompute": 0, "selective": 0, "offload": 2}),
+    ("recompute: selective", {"recompute": 0, "selective": 4, "offload": 0}),  # attention_core and mlp
+    ("recompute: selective, recompute_modules: [self_attn, mlp, norms], offload_activations: true",
+     {"recompute": 0, "selective": 8, "offload": 2}),
+], ids=["full", "offload", "selective", "selective_all_parts_offload"])
+def test_plain_trainer_tp2_with_recompute_or_offload(trainer_root, memory, wrapped, request):
+    """tp=2 (sequence parallel) with the memory settings on: whole decoder layers recomputed in backward on their
+    local shards; selective recompute of the layers' parts (the norms run on sequence shards, the attention and MLP
+    on gathered inputs: each recomputed on exactly the inputs its forward got); what the layers save offloaded. The
+    same 3 steps as one plain-HF process."""
     ref = _trainer_run(trainer_root, "reference_llama", "reference", "--family", "llama")
-    run = _trainer_run(trainer_root, "tp2_" + memory.split(":")[0], "tp", "--family", "llama",
+    run = _trainer_run(trainer_root, f"tp2_{request.node.callspec.id}", "tp", "--family", "llama",
                        config=f"parallel: {{tp: 2}}\nmemory: {{{memory}}}\n")
-    layers = 2 if "recompute" in memory else 0, 2 if "offload" in memory else 0
-    assert run["tp"] == 2 and (run["memory"]["recompute"], run["memory"]["offload"]) == layers, run["memory"]
+    assert run["tp"] == 2 and run["memory"] == wrapped, run["memory"]
     _same_as(run, ref)
 
 
