@@ -2,6 +2,7 @@
 
     python benchmarks/bench_recompute.py                       # 4-layer Qwen3 shape, sequence 4096, fp32, CPU
     python benchmarks/bench_recompute.py --seq 1024 --out -    # quicker; print only
+    python benchmarks/bench_recompute.py --tp 2                # each variant under tensor parallelism, per rank
 
 Each variant runs in its own process (same model, seed and batch; every kernel on), so one cannot inherit
 another's high-water mark. Per variant, after a short warm-up step (which allocates the gradients):
@@ -12,6 +13,8 @@ another's high-water mark. Per variant, after a short warm-up step (which alloca
   resident size before it, with large allocations mmapped (MALLOC_MMAP_THRESHOLD_) so freed memory leaves RSS;
 - time: forward + backward of a second step.
 Ratios are against `none`. Goals (issue 13): selective <= 0.7x, full <= 0.45x of the activation part.
+With `--tp N` each variant runs on N processes (torchrun, gloo) with `parallel: {tp: N}` (sequence parallel); the
+figures are rank 0's.
 """
 
 from __future__ import annotations
@@ -57,10 +60,17 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     model = _model(args)
-    config = config_from_dict({"memory": VARIANTS[args.variant]})
+    config = config_from_dict({"memory": VARIANTS[args.variant], "parallel": {"tp": args.tp}})
     mindspeed_hf.enable()
     mindspeed_hf.apply_to_model(model, config)
-    model = parallelize(model, None, config)
+    dims = None
+    if args.tp > 1:
+        from mindspeed_hf.parallel import ParallelDims, init_distributed
+
+        init_distributed("cpu")
+        dims = ParallelDims(tp=args.tp, world_size=args.tp)
+        dims.build_mesh("cpu")
+    model = parallelize(model, dims, config)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=gen)
     model(input_ids=ids[:, :64], labels=ids[:, :64]).loss.backward()  # warm-up: allocates the gradients
@@ -73,27 +83,33 @@ def child(args) -> None:
     start = time.perf_counter()
     model(input_ids=ids, labels=ids).loss.backward()
     seconds = time.perf_counter() - start
-    print(json.dumps({"variant": args.variant, "kept": kept.alive_bytes, "saved": kept.saved_bytes,
-                      "peak": peak, "seconds": seconds}))
+    if args.tp == 1 or torch.distributed.get_rank() == 0:
+        print(json.dumps({"variant": args.variant, "kept": kept.alive_bytes, "saved": kept.saved_bytes,
+                          "peak": peak, "seconds": seconds}), flush=True)
+    if args.tp > 1:
+        torch.distributed.barrier()
 
 
 def _run(args, variant: str) -> dict:
     env = {**os.environ, "MINDSPEED_HF_AUTO": "0", "MALLOC_MMAP_THRESHOLD_": "65536",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, __file__, "--child", variant, "--seq", str(args.seq), "--layers", str(args.layers),
-           "--vocab", str(args.vocab), "--threads", str(args.threads)]
+    launcher = [sys.executable] if args.tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      f"--nproc_per_node={args.tp}"]
+    cmd = [*launcher, __file__, "--child", variant, "--seq", str(args.seq), "--layers", str(args.layers),
+           "--vocab", str(args.vocab), "--threads", str(args.threads), "--tp", str(args.tp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise SystemExit(f"{variant} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
 
 
 def table(args, rows: dict[str, dict]) -> str:
     base = rows["none"]
     mib = 2 ** 20
+    where = f", tp={args.tp} (rank 0 of {args.tp} processes)" if args.tp > 1 else ""
     lines = [f"# Recompute: activation memory and step time (CPU, fp32, {args.layers}-layer Qwen3-0.6B layer shape, "
-             f"vocab {args.vocab}, batch 1 x sequence {args.seq}, {args.threads} thread(s))", "",
+             f"vocab {args.vocab}, batch 1 x sequence {args.seq}, {args.threads} thread(s){where})", "",
              "| recompute | kept for backward (MiB) | ratio | saved_tensors_hooks (MiB) | ratio | step peak over "
              "resident (MiB) | ratio | forward+backward (s) | ratio |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
@@ -103,7 +119,8 @@ def table(args, rows: dict[str, dict]) -> str:
     lines += ["", "selective = memory.recompute_modules default (attention_core, mlp) in every layer; goals: selective "
               "<= 0.7x, full <= 0.45x of the activation part (the `kept` column is that part: the forward's "
               "storages alive at the start of backward).", "",
-              "Produced by `python benchmarks/bench_recompute.py`; each variant in its own process."]
+              f"Produced by `python benchmarks/bench_recompute.py{f' --tp {args.tp}' if args.tp > 1 else ''}`; "
+              "each variant in its own process."]
     return "\n".join(lines) + "\n"
 
 
@@ -114,6 +131,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes per variant (torchrun, gloo)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recompute_cpu.md"),
                         help="markdown file to write, or - for none")
     args = parser.parse_args()
