@@ -119,7 +119,9 @@ def adopt_native_ep(model: nn.Module, dims: ParallelDims, ep: int) -> bool:
     return True
 
 
-def _unsupported_layout(module: nn.Module) -> str | None:
+def unsupported_layout(module: nn.Module) -> str | None:
+    """Why a fused experts module's layout is not the one EP (and tp's experts sharding) implements: gate and up
+    concatenated in ``gate_up_proj [E, 2I, H]``, no biases, not transposed; None when it is."""
     for flag, bad in (("has_bias", True), ("is_transposed", True), ("has_gate", False), ("is_concatenated", False)):
         if getattr(module, flag, not bad) == bad:
             return f"{flag}={bad}"
@@ -138,7 +140,7 @@ def check_expert_parallel(model: nn.Module, ep: int) -> list[tuple[str, nn.Modul
                          "[E, H, I]); expert parallelism applies to transformers' MoE families; valid choices: "
                          "parallel.ep=1 for this model")
     for name, module in experts:
-        layout = _unsupported_layout(module)
+        layout = unsupported_layout(module)
         if layout:
             raise ValueError(f"parallel.ep={ep}: experts {name} ({type(module).__name__}) have an unsupported layout "
                              f"({layout}); valid choices: parallel.ep=1 for this model")

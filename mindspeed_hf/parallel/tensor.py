@@ -10,7 +10,8 @@
   reduce-scatter onto sequence shards (a DTensor ``Shard(1)``: the residual stream);
 * ``replicated_with_grad_allreduce`` (Qwen3's per-head q_norm / k_norm): replicated weight, its gradient summed
   over tp (each rank normalises only its heads);
-* ``moe_tp_experts`` with ``packed_colwise`` gate_up_proj / ``rowwise`` down_proj (Qwen3-MoE's fused experts): each
+* fused experts (Qwen3-MoE's ``gate_up_proj [E, 2I, H]``; transformers <= 5.24 plans them ``moe_tp_experts`` with
+  ``packed_colwise`` gate_up_proj / ``rowwise`` down_proj, 5.25 leaves them out, and we shard them either way): each
   rank keeps the gate and the up slice of every expert's intermediate dim (``_StridedShard(1, split_factor=2)``)
   and the matching down slice (``Shard(2)``); the router is replicated, the partial outputs all-reduced, the
   gradients of the (replicated) tokens and routing weights all-reduced;
@@ -65,6 +66,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..ops.vocab_parallel import GradAllReduce, vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from ..versions import installed
+from .expert import find_fused_experts, unsupported_layout
 from .fsdp import unwrap_hf_model
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_plan", "vocab_parallel_cross_entropy",
@@ -249,14 +251,22 @@ def _projection_style(style: str, sequence_parallel: bool) -> ParallelStyle:
     return RowwiseParallel()
 
 
-def _experts_plan(plan: dict[str, str], name: str) -> None:
-    """The fused experts' parameter entries must be the layout ``_shard_experts`` implements."""
+def _experts_styles(base: nn.Module, plan: dict[str, str]) -> dict[str, ParallelStyle]:
+    """Every fused experts module of the layout ``_shard_experts`` implements is sharded over tp, whether or not the
+    family's plan names it: transformers <= 5.24 plans it (``moe_tp_experts``, ``packed_colwise`` gate_up_proj,
+    ``rowwise`` down_proj), 5.25 dropped those entries for expert parallelism, which would leave every expert
+    whole on every tp rank. Entries the plan does give must be that layout; another layout stays replicated."""
+    styles: dict[str, ParallelStyle] = {}
     want = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
-    for param, style in want.items():
-        got = next((s for p, s in plan.items() if _matches(p, f"{name}.{param}")), None)
-        if got != style:
-            raise ValueError(f"parallel.tp: experts {name}.{param} have tp style {got!r}, this step shards "
-                             f"{style!r} only; valid choices: parallel.tp=1 for this model")
+    for name, module in find_fused_experts(base):
+        for param, style in want.items():
+            got = next((s for p, s in plan.items() if _matches(p, f"{name}.{param}")), None)
+            if got not in (None, style):
+                raise ValueError(f"parallel.tp: experts {name}.{param} have tp style {got!r}, this step shards "
+                                 f"{style!r} only; valid choices: parallel.tp=1 for this model")
+        if unsupported_layout(module) is None:
+            styles[name] = _LocalForward(experts=True)
+    return styles
 
 
 def _is_lora(module: nn.Module) -> bool:
@@ -288,15 +298,13 @@ def _module_styles(base: nn.Module, plan: dict[str, str], sequence_parallel: boo
     styles: dict[str, ParallelStyle] = {}
     sp = sequence_parallel
     for name, style in tensor_parallel_plan(base, plan).items():
-        if style == "moe_tp_experts":
-            _experts_plan(plan, name)
-            styles[name] = _LocalForward(experts=True)
-        elif style == "replicated_with_grad_allreduce":
+        if style == "replicated_with_grad_allreduce":
             styles[name] = _LocalForward(reduce_grad=True)
         elif style in ("colwise", "rowwise"):
             module = base.get_submodule(name)
             styles.update(_lora_styles(name, module, style, sp) if _is_lora(module) else
                           {name: _projection_style(style, sp)})
+    styles.update(_experts_styles(base, plan))
     embed_out = Shard(1) if sp else Replicate()
     styles["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_out,
                                              use_local_output=not sp)
