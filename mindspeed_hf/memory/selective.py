@@ -27,6 +27,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 _STATE = "_mindspeed_recompute"  # instance attribute: (forward set on the instance before ours, context_fn)
+# True while a recomputation reruns a part in backward: a wrapped part nested inside it (selective self_attn around
+# the attention core, say) then runs its forward directly, not under a checkpoint of its own inside the replay.
 _replaying: contextvars.ContextVar[bool] = contextvars.ContextVar("mindspeed_hf_recompute_replay", default=False)
 # KV-cache keyword names across families and releases: a recomputed attention must not update a cache twice.
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")

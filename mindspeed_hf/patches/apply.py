@@ -201,6 +201,7 @@ def disable() -> None:
         if compat.attn_implementation(model.config) in ours:
             _set_attention(model, "sdpa")
         experts.restore(model)
+        linear_attention.restore(model)
         scope.detach(model)
         model.__dict__.pop("_mindspeed_ran", None)
     _models.clear()

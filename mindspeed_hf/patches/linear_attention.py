@@ -178,3 +178,16 @@ def settle(model: nn.Module, family, module) -> int:
             rebound += 1
     return rebound
 
+
+
+def restore(model: nn.Module) -> int:
+    """What ``disable()`` does for `model`: every layer holding our switched chunked rule as its own attribute (one
+    ``settle`` rebound, or one built while enabled on transformers < 5.20) gets HF's function back. Returns the
+    layers restored."""
+    restored = 0
+    for layer in model.modules():
+        rule = vars(layer).get("chunk_gated_delta_rule")
+        if getattr(rule, "_mindspeed_op", None) is not None and hasattr(rule, "__wrapped__"):
+            layer.chunk_gated_delta_rule = rule.__wrapped__
+            restored += 1
+    return restored

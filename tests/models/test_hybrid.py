@@ -126,6 +126,8 @@ def test_generation_and_explicit_attention_and_disable(model_type):
     mindspeed_hf.disable()
     assert model.config._attn_implementation == "sdpa"
     assert rule is None or module.torch_chunk_gated_delta_rule is rule
+    # no layer keeps our rule (on < 5.20 each layer binds the rule when built; apply_to_model rebinds it)
+    assert not any(getattr(vars(m).get("chunk_gated_delta_rule"), "_mindspeed_op", None) for m in model.modules())
     assert torch.equal(model.generate(**args), expected)
 
 
