@@ -5,7 +5,8 @@ with context parallelism from MINDSPEED_HF_CONFIG (torchrun, gloo, CPU, fp32), a
             per micro-batch).
   cp        (torchrun; sizes from MINDSPEED_HF_CONFIG): the same script after `import mindspeed_hf`; each rank's
             micro-batch is GLOBAL / (dp x ga) rows (the data is split over dp only, the sequence across cp).
-Rank 0 writes the logged losses and grad norms and the final parameters (gathered) to --out (.json / .pt).
+Rank 0 writes the logged losses and grad norms, the loss of `trainer.evaluate` on held-out rows after training, and the
+final parameters (gathered) to --out (.json / .pt).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from trainer_worker import collate, dataset  # uneven lengths, masked prompts, right padding
 
 STEPS, GLOBAL = 3, 8
+EVAL_ROWS = 4  # one evaluation batch over the dp ranks
 
 
 def tiny_model():
@@ -53,6 +55,7 @@ def main() -> None:
 
     args = TrainingArguments(output_dir=opts.out + ".dir", max_steps=STEPS, optim="sgd", learning_rate=0.5,
                              per_device_train_batch_size=GLOBAL // (opts.dp * opts.ga),
+                             per_device_eval_batch_size=EVAL_ROWS // opts.dp,
                              gradient_accumulation_steps=opts.ga, max_grad_norm=0.5, logging_steps=1,
                              report_to="none", disable_tqdm=True, seed=0, save_strategy="no",
                              dataloader_drop_last=True, use_cpu=True)
@@ -66,6 +69,7 @@ def main() -> None:
     trainer = Trainer(model=tiny_model(), args=args, train_dataset=dataset(), data_collator=collator,
                       callbacks=[record])
     trainer.train()
+    evaluated = trainer.evaluate(eval_dataset=dataset(n=EVAL_ROWS, seed=2))  # the trained model, held-out rows
     from torch.distributed.tensor import DTensor
 
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
@@ -77,7 +81,7 @@ def main() -> None:
             from mindspeed_hf.trainers import run_of
 
             dims = getattr(run_of(trainer), "dims", None)
-        facts = {"attention": trainer.model.config._attn_implementation,
+        facts = {"attention": trainer.model.config._attn_implementation, "eval_loss": evaluated["eval_loss"],
                  "cp": dims.cp if dims else 1, "dp": dims.dp_size if dims else 1}
         with open(opts.out, "w") as f:
             json.dump({"losses": record.losses, "grad_norms": record.grad_norms, **facts}, f)

@@ -207,8 +207,9 @@ def trainer_reference(trainer_root) -> dict:
 def test_plain_trainer_with_cp_from_the_config_equals_one_process(trainer_root, trainer_reference, name, config,
                                                                   args, cp, dp):
     """A plain Trainer script, kernels on, MINDSPEED_HF_CONFIG sets cp: logged losses, grad norms and the final
-    parameters after 3 clipped SGD steps equal the single-process plain-HF Trainer on the same global batches
-    (padding-free packed rows: each micro-batch is one row of several documents)."""
+    parameters after 3 clipped SGD steps, and then `trainer.evaluate`'s loss on held-out rows (split over cp too),
+    equal the single-process plain-HF Trainer on the same global batches (padding-free packed rows: each micro-batch
+    is one row of several documents)."""
     run = _trainer_run(trainer_root, name, *args, config=config)
     assert (run["attention"], run["cp"], run["dp"]) == ("mindspeed_cp", cp, dp)
     for key in ("losses", "grad_norms"):
@@ -217,3 +218,4 @@ def test_plain_trainer_with_cp_from_the_config_equals_one_process(trainer_root, 
     want = trainer_reference["params"]
     assert run["params"].keys() == want.keys()
     assert max((run["params"][n] - want[n]).abs().max().item() for n in want) <= TOL
+    assert abs(run["eval_loss"] - trainer_reference["eval_loss"]) <= TOL, (run["eval_loss"], trainer_reference)
