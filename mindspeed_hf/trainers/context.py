@@ -22,7 +22,7 @@ from ..config.axes import AXES
 from ..parallel.context import context_of, split_cp_batch
 from .run import run_of
 
-__all__ = ["data_over_dp", "split_inputs"]
+__all__ = ["check_predictions", "data_over_dp", "split_inputs"]
 
 
 def split_inputs(model: Any, inputs: dict[str, Any], num_items_in_batch: Any) -> tuple[dict[str, Any], Any]:
@@ -36,6 +36,29 @@ def split_inputs(model: Any, inputs: dict[str, Any], num_items_in_batch: Any) ->
     if num_items_in_batch is None:  # Trainer does not scale: the model divides by the count split_cp_batch made
         return local, None
     return local, local.pop("num_items_in_batch", None)
+
+
+def check_predictions(trainer: Any, loss_only: bool) -> None:
+    """Under context parallelism each rank's forward holds one slice of every sequence, so the logits Trainer would
+    gather for `compute_metrics` or `predict` are slices, not predictions: refuse that evaluation in one line before
+    it runs (`loss_only`: the evaluation asks for the loss alone, which is exact under cp)."""
+    run = run_of(trainer)
+    cp = run.plan.cp if run is not None and run.plan is not None else 1
+    if cp > 1 and not loss_only:
+        raise ValueError(f"parallel.cp={cp}: Trainer predictions (compute_metrics, predict) are not supported under "
+                         "context parallelism (each rank's logits are one slice of every sequence; the evaluation "
+                         "loss is supported); valid choices: no compute_metrics, prediction_loss_only=True, or "
+                         "parallel.cp=1 to predict")
+
+
+def check_metrics_at_init(trainer: Any) -> None:
+    """At Trainer.__init__: a trainer that will evaluate with `compute_metrics` under cp is refused before training
+    (check_predictions)."""
+    args = trainer.args
+    strategy = getattr(args, "eval_strategy", "no")
+    evaluates = getattr(strategy, "value", strategy) != "no"
+    check_predictions(trainer, loss_only=not evaluates or trainer.compute_metrics is None
+                      or bool(args.prediction_loss_only))
 
 
 def data_over_dp(trainer: Any) -> None:

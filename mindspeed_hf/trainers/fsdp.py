@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -238,7 +239,10 @@ def _load_optimizer_and_scheduler(trainer: Any, original: Callable, checkpoint: 
 
 # ---------------------------------------------------------------------------------------------- the rest
 def _evaluation_loop(trainer: Any, original: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Evaluation forwards leave the tail/root groups gathered (no backward follows): give the memory back."""
+    """Predictions under cp are refused (context.check_predictions); evaluation forwards leave the tail/root groups
+    gathered (no backward follows): give the memory back."""
+    asked = inspect.signature(original).bind(*args, **kwargs).arguments.get("prediction_loss_only")
+    context.check_predictions(trainer, loss_only=bool(trainer.args.prediction_loss_only if asked is None else asked))
     try:
         return original(*args, **kwargs)
     finally:

@@ -26,7 +26,7 @@ from ..memory.recompute import absorb_hf_checkpointing
 from ..parallel.parallelize import ParallelizeOptions, parallelize
 from ..parallel.towers import keep_media_in_step, tower_modules
 from ..patches import apply, scope
-from . import deepspeed, export_background, frameworks, fsdp, seams
+from . import context, deepspeed, export_background, frameworks, fsdp, seams
 from .fsdp_plan import release_ddp_notice
 from .moe_balance import AuxFreeBalance, BalanceCallback
 from .moe_load import ExpertLoad
@@ -130,6 +130,7 @@ def after_init(trainer: Any) -> None:
     of its kernel options that replaced ours (one line); say once that Liger's patching is off for our model; with
     moe.balance on, the callback that updates the expert biases after every optimizer step."""
     fsdp.check_after_init(trainer)
+    context.check_metrics_at_init(trainer)
     frameworks.log_once(trainer, logger)
     run = run_of(trainer)
     if run.config.moe.balance != "none":  # the biases move after every optimizer step

@@ -5,8 +5,8 @@ with context parallelism from MINDSPEED_HF_CONFIG (torchrun, gloo, CPU, fp32), a
             per micro-batch).
   cp        (torchrun; sizes from MINDSPEED_HF_CONFIG): the same script after `import mindspeed_hf`; each rank's
             micro-batch is GLOBAL / (dp x ga) rows (the data is split over dp only, the sequence across cp).
-Rank 0 writes the logged losses and grad norms, the loss of `trainer.evaluate` on held-out rows after training, and the
-final parameters (gathered) to --out (.json / .pt).
+Rank 0 writes the logged losses and grad norms, the loss of `trainer.evaluate` on held-out rows after training, what
+`trainer.predict` on them raised (None: it ran) and the final parameters (gathered) to --out (.json / .pt).
 """
 
 from __future__ import annotations
@@ -70,6 +70,11 @@ def main() -> None:
                       callbacks=[record])
     trainer.train()
     evaluated = trainer.evaluate(eval_dataset=dataset(n=EVAL_ROWS, seed=2))  # the trained model, held-out rows
+    try:  # predictions: refused under cp (each rank's logits are a slice of every sequence)
+        predict_error = None
+        trainer.predict(dataset(n=EVAL_ROWS, seed=2))
+    except ValueError as error:
+        predict_error = str(error)
     from torch.distributed.tensor import DTensor
 
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
@@ -82,6 +87,7 @@ def main() -> None:
 
             dims = getattr(run_of(trainer), "dims", None)
         facts = {"attention": trainer.model.config._attn_implementation, "eval_loss": evaluated["eval_loss"],
+                 "predict_error": predict_error,
                  "cp": dims.cp if dims else 1, "dp": dims.dp_size if dims else 1}
         with open(opts.out, "w") as f:
             json.dump({"losses": record.losses, "grad_norms": record.grad_norms, **facts}, f)

@@ -182,6 +182,34 @@ def test_accelerate_cp_size_maps_to_parallel_cp(tmp_path):
         _cp_plan(args, world=3)
 
 
+def test_compute_metrics_under_cp_is_refused_at_init(tmp_path):
+    """A Trainer that will evaluate with compute_metrics under cp is refused in one line when it is built (its
+    predictions would be each rank's sequence slices); the evaluation loss alone, cp 1, or no evaluation pass."""
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments
+
+    from mindspeed_hf.trainers.context import check_metrics_at_init
+    from mindspeed_hf.trainers.run import Run, attach
+
+    sizes = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"}
+
+    def trainer(cp_env: dict, metrics: bool = True, **args):
+        resolved, plan = _cp_plan(env=cp_env)
+        targs = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **args)
+        t = SimpleNamespace(args=targs, compute_metrics=(lambda p: {}) if metrics else None)
+        attach(t, Run(args=targs, resolved=resolved, plan=plan))
+        return t
+
+    with pytest.raises(ValueError, match=r"^parallel.cp=2: Trainer predictions .* valid choices: ") as error:
+        check_metrics_at_init(trainer(sizes, eval_strategy="steps", eval_steps=1))
+    assert "\n" not in str(error.value)
+    check_metrics_at_init(trainer(sizes, metrics=False, eval_strategy="steps", eval_steps=1))
+    check_metrics_at_init(trainer(sizes, eval_strategy="steps", eval_steps=1, prediction_loss_only=True))
+    check_metrics_at_init(trainer(sizes))  # never evaluates
+    check_metrics_at_init(trainer({}, eval_strategy="steps", eval_steps=1))  # no cp
+
+
 # ------------------------------------------------------------------------------------------ plain Trainer
 
 
@@ -219,3 +247,6 @@ def test_plain_trainer_with_cp_from_the_config_equals_one_process(trainer_root, 
     assert run["params"].keys() == want.keys()
     assert max((run["params"][n] - want[n]).abs().max().item() for n in want) <= TOL
     assert abs(run["eval_loss"] - trainer_reference["eval_loss"]) <= TOL, (run["eval_loss"], trainer_reference)
+    assert trainer_reference["predict_error"] is None
+    error = run["predict_error"]  # predictions would be each rank's slices: refused before the loop runs
+    assert error.startswith(f"parallel.cp={cp}: Trainer predictions") and "valid choices" in error and "\n" not in error
