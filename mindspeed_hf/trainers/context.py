@@ -22,7 +22,7 @@ from ..config.axes import AXES
 from ..parallel.context import context_of, split_cp_batch
 from .run import run_of
 
-__all__ = ["check_predictions", "data_over_dp", "split_inputs"]
+__all__ = ["check_metrics_at_init", "check_predictions", "data_over_dp", "split_inputs"]
 
 
 def split_inputs(model: Any, inputs: dict[str, Any], num_items_in_batch: Any) -> tuple[dict[str, Any], Any]:

@@ -126,9 +126,10 @@ def is_accelerated(trainer: Any) -> bool:
 
 
 def after_init(trainer: Any) -> None:
-    """Checks once Trainer.__init__ is done: FSDP2 takeover; the fine-tuning framework driving the trainer and any
-    of its kernel options that replaced ours (one line); say once that Liger's patching is off for our model; with
-    moe.balance on, the callback that updates the expert biases after every optimizer step."""
+    """Checks once Trainer.__init__ is done: FSDP2 takeover; no compute_metrics evaluation under cp; the fine-tuning
+    framework driving the trainer and any of its kernel options that replaced ours (one line); say once that Liger's
+    patching is off for our model; with moe.balance on, the callback that updates the expert biases after every
+    optimizer step."""
     fsdp.check_after_init(trainer)
     context.check_metrics_at_init(trainer)
     frameworks.log_once(trainer, logger)
