@@ -179,7 +179,6 @@ def settle(model: nn.Module, family, module) -> int:
     return rebound
 
 
-
 def restore(model: nn.Module) -> int:
     """What ``disable()`` does for `model`: every layer holding our switched chunked rule as its own attribute (one
     ``settle`` rebound, or one built while enabled on transformers < 5.20) gets HF's function back. Returns the

@@ -70,8 +70,8 @@ def main() -> None:
                       callbacks=[record])
     trainer.train()
     evaluated = trainer.evaluate(eval_dataset=dataset(n=EVAL_ROWS, seed=2))  # the trained model, held-out rows
+    predict_error = None
     try:  # predictions: refused under cp (each rank's logits are a slice of every sequence)
-        predict_error = None
         trainer.predict(dataset(n=EVAL_ROWS, seed=2))
     except ValueError as error:
         predict_error = str(error)
