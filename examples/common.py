@@ -31,12 +31,13 @@ def load_tokenizer():
     return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
 
 
-def tiny_model(tokenizer, seed: int = 0) -> Qwen3ForCausalLM:
-    """A ~0.6M-parameter Qwen3-architecture model, initialised from `seed`."""
+def tiny_model(tokenizer, seed: int = 0, tied: bool = True) -> Qwen3ForCausalLM:
+    """A ~0.6M-parameter Qwen3-architecture model, initialised from `seed` (`tied`: lm_head shares the embeddings,
+    as the shipped default does; tensor parallelism needs them apart)."""
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=tied, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     return Qwen3ForCausalLM(config)
 

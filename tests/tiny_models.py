@@ -101,8 +101,7 @@ def imbalance_per_step(balance_config: dict, steps: int) -> list[float]:
     """skewed_moe_model's expert imbalance (busiest / mean, mean over layers) per training-mode forward on its batch,
     with the aux-free balance `balance_config` asks for stepped after each (the weights unchanged)."""
     from mindspeed_hf.config import config_from_dict
-    from mindspeed_hf.trainers.moe_balance import AuxFreeBalance
-    from mindspeed_hf.trainers.moe_load import ExpertLoad
+    from mindspeed_hf.moe import AuxFreeBalance, ExpertLoad
 
     model, ids = skewed_moe_model()
     balance = AuxFreeBalance.attach(model, config_from_dict(balance_config))

@@ -158,7 +158,7 @@ def _imports(config: str | None, recipe: str | None, quiet: bool) -> str:
 
 def _train_text(config: str | None, overrides: list[str], own: argparse.Namespace, run_state: dict[str, str]) -> int:
     """The text recipe: configuration errors are one clear line, before any model is built."""
-    from ..trainers.fsdp_plan import ddp_notice_held
+    from ..trainers.notices import ddp_notice_held
     from .run_config import load_run_config
     from .train import check_parallel_sizes, check_resume, run_training, training_args_for
 

@@ -1,5 +1,5 @@
 """`mindspeed-hf moe OUTPUT_DIR [--plot FILE.png]`: the expert load of a Trainer run on a MoE model, read from the
-OUTPUT_DIR/moe_load.jsonl its logging intervals appended (trainers/moe_load.py). Prints one row per MoE layer (the
+OUTPUT_DIR/moe_load.jsonl its logging intervals appended (moe/load.py). Prints one row per MoE layer (the
 busiest expert's share over the mean, first and last interval and over the whole run, experts that never got a
 token); --plot draws the heatmap of each layer's token share per expert over the run beside the imbalance of each
 layer per logged step (matplotlib: the [plot] extra)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..trainers.moe_load import ExpertLoad
+from ..moe import ExpertLoad
 from .bench_plot import require_matplotlib
 
 

@@ -138,7 +138,7 @@ def exact_match(model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, str
 
 def context_parallel_size(trainer: Any) -> int:
     """The trainer's context-parallel size (1 when its model is not split over a cp group)."""
-    from ..trainers.run import run_of
+    from ..runtime import run_of
 
     run = run_of(trainer)
     return run.plan.cp if run is not None and run.plan is not None else 1
@@ -189,8 +189,8 @@ def check_parallel_sizes(run: RunConfig, args: Any) -> Any:
 
     if not mindspeed_hf.is_enabled():
         return None
+    from ..runtime import resolve_plan
     from ..trainers.arguments import resolve_for
-    from ..trainers.fsdp_plan import resolve_plan
 
     return resolve_plan(args, resolve_for(args, base=run.mindspeed), world_size=int(os.environ.get("WORLD_SIZE", "1")),
                         announce=False)

@@ -12,7 +12,15 @@ model is built, naming the setting and the valid choices.
 """
 
 from .axes import AXES, AXIS, SIZE_PATHS, WORLD_AXES, Axis
-from .resolve import Override, ResolvedConfig, load_config, resolve, resolve_for, resolve_layers
+from .resolve import (
+    Override,
+    ResolvedConfig,
+    load_config,
+    resolve,
+    resolve_for,
+    resolve_for_accelerator,
+    resolve_layers,
+)
 from .schema import (
     BACKEND_CHOICES,
     ENV_PREFIX,
@@ -35,26 +43,29 @@ from .schema import (
 )
 from .sources import (
     ACCELERATE_SOURCE,
+    ACCELERATOR_SOURCE,
     ARGUMENTS_SOURCE,
     OTHER_VARIABLES,
     Layer,
     accelerate_env_layer,
+    accelerator_layer,
     check_variables,
     env_layer,
     hf_fsdp_layer,
     hf_fsdp_settings,
     parse_reshard,
+    plugin_fsdp_settings,
     read_config_file,
     trainer_layers,
     yaml_layer,
 )
 
 __all__ = [
-    "AXES", "AXIS", "SIZE_PATHS", "WORLD_AXES", "Axis", "ACCELERATE_SOURCE", "ARGUMENTS_SOURCE", "BACKEND_CHOICES",
-    "ENV_PREFIX", "EP_MIN_TRANSFORMERS", "OTHER_VARIABLES", "RECOMPUTE_MODULES", "SECTIONS", "TRAIN_RECIPES",
-    "CheckpointConfig", "DataConfig", "KernelConfig", "Layer", "MemoryConfig", "MindSpeedConfig", "MoEConfig",
-    "Override", "ParallelConfig", "ResolvedConfig", "Setting", "accelerate_env_layer", "check_ep_release",
-    "check_variables", "config_from_dict", "env_layer", "flatten", "hf_fsdp_layer", "hf_fsdp_settings", "load_config",
-    "parse_reshard", "read_config_file", "resolve", "resolve_for", "resolve_layers", "settings", "trainer_layers",
-    "yaml_layer",
+    "ACCELERATE_SOURCE", "ACCELERATOR_SOURCE", "ARGUMENTS_SOURCE", "AXES", "AXIS", "Axis", "BACKEND_CHOICES",
+    "CheckpointConfig", "DataConfig", "ENV_PREFIX", "EP_MIN_TRANSFORMERS", "KernelConfig", "Layer", "MemoryConfig",
+    "MindSpeedConfig", "MoEConfig", "OTHER_VARIABLES", "Override", "ParallelConfig", "RECOMPUTE_MODULES",
+    "ResolvedConfig", "SECTIONS", "SIZE_PATHS", "Setting", "TRAIN_RECIPES", "WORLD_AXES", "accelerate_env_layer",
+    "accelerator_layer", "check_ep_release", "check_variables", "config_from_dict", "env_layer", "flatten",
+    "hf_fsdp_layer", "hf_fsdp_settings", "load_config", "parse_reshard", "plugin_fsdp_settings", "read_config_file",
+    "resolve", "resolve_for", "resolve_for_accelerator", "resolve_layers", "settings", "trainer_layers", "yaml_layer",
 ]

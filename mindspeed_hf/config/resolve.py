@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .schema import SETTINGS, MindSpeedConfig, build
-from .sources import Layer, process_layers, trainer_layers
+from .sources import Layer, accelerator_layer, process_layers, trainer_layers
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -132,6 +132,14 @@ def resolve_for(args: Any, base: MindSpeedConfig | None = None) -> ResolvedConfi
     overrides once (`log_overrides`)."""
     explicit, fallback = trainer_layers(args)
     return resolve_layers(process_layers(base=base), explicit, fallback)
+
+
+def resolve_for_accelerator(fsdp_plugin: Any = None, parallelism_config: Any = None,
+                            base: MindSpeedConfig | None = None) -> ResolvedConfig:
+    """The config of an accelerate loop's Accelerator: the `fsdp_plugin` / `parallelism_config` the script gave it
+    as the explicit layer over `base` or the environment / YAML / defaults, as for a trainer. Not logged: the
+    accelerator's run logs its overrides once."""
+    return resolve_layers(process_layers(base=base), [accelerator_layer(fsdp_plugin, parallelism_config)])
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None) -> MindSpeedConfig:

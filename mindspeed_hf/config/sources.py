@@ -183,28 +183,68 @@ def hf_fsdp_settings(args: Any) -> dict[str, Any] | None:
             **{k: config.get(k, False) for k in ("activation_checkpointing", "cpu_ram_efficient_loading")}}
 
 
-def hf_fsdp_layer(args: Any) -> Layer:
-    """What plain TrainingArguments state about our settings: `fsdp_config` (version 2: reshard_after_forward;
-    cpu_offload, activation_checkpointing) and `parallelism_config` sizes."""
+def plugin_fsdp_settings(plugin: Any) -> dict[str, Any] | None:
+    """The FSDP request of an accelerate `FullyShardedDataParallelPlugin` a script gave its Accelerator, in the form
+    of hf_fsdp_settings. A knob the plugin holds at accelerate's default counts as not stated (the plugin fills its
+    defaults in, from the FSDP_* environment too). None: no plugin."""
+    if plugin is None:
+        return None
+    wrap = getattr(plugin, "auto_wrap_policy", None)
+    wrap = str(getattr(wrap, "__name__", wrap) or "").lower()
+    policy = "TRANSFORMER_BASED_WRAP" if "transformer" in wrap else "SIZE_BASED_WRAP" if "size" in wrap else None
+    classes = getattr(plugin, "transformer_cls_names_to_wrap", None)
+    state = getattr(plugin, "state_dict_type", None)
+    reshard = getattr(plugin, "reshard_after_forward", True)
+    offload = getattr(plugin, "cpu_offload", None)
+    return {"version": int(getattr(plugin, "fsdp_version", None) or 1), "auto_wrap_policy": policy,
+            "classes": ",".join(classes) if isinstance(classes, list | tuple) else classes,
+            "state_dict_type": getattr(state, "name", state),
+            "reshard_after_forward": None if reshard is True else getattr(reshard, "name", reshard),
+            # torch's OffloadPolicy() is "no offload"; CPUOffloadPolicy (FSDP2) / CPUOffload(True) (FSDP1) offload
+            "cpu_offload": type(offload).__name__ == "CPUOffloadPolicy" or bool(getattr(offload, "offload_params",
+                                                                                      False)),
+            "activation_checkpointing": bool(getattr(plugin, "activation_checkpointing", False)),
+            "cpu_ram_efficient_loading": bool(getattr(plugin, "cpu_ram_efficient_loading", False))}
+
+
+def _fsdp_and_sizes_layer(source: str, fsdp: dict[str, Any] | None, pc: Any, where: str) -> Layer:
+    """Our settings stated by an FSDP request (version 2: reshard_after_forward, cpu_offload,
+    activation_checkpointing) and an accelerate ParallelismConfig's sizes; `where` prefixes how the source names
+    them in messages (`fsdp_config`, `fsdp_plugin`)."""
     values: dict[str, Any] = {}
     names: dict[str, str] = {}
-    fsdp = hf_fsdp_settings(args)
     if fsdp is not None and fsdp["version"] == 2:
-        if fsdp["reshard_after_forward"] is not None:  # HF fills a default in; only a stated one counts
-            name = "fsdp_config['reshard_after_forward']"
+        if fsdp["reshard_after_forward"] is not None:  # a default filled in does not count; only a stated one
+            name = f"{where}['reshard_after_forward']"
             values["parallel.reshard_after_forward"] = parse_reshard(fsdp["reshard_after_forward"], name)
             names["parallel.reshard_after_forward"] = name
         for path, key in (("parallel.cpu_offload", "cpu_offload"), ("memory.recompute", "activation_checkpointing")):
-            if parse_flag(fsdp[key], f"fsdp_config['{key}']"):
-                values[path], names[path] = True, f"fsdp_config['{key}']"
-    pc = getattr(args, "parallelism_config", None)
+            if parse_flag(fsdp[key], f"{where}['{key}']"):
+                values[path], names[path] = True, f"{where}['{key}']"
     if pc is not None:
         for axis in AXES:
             theirs = axis.accelerate_attribute
             size = getattr(pc, theirs, None) if theirs else None
             if size is not None:
                 values[axis.path], names[axis.path] = int(size), f"parallelism_config.{theirs}"
-    return Layer("TrainingArguments (fsdp_config / parallelism_config)", values, names)
+    return Layer(source, values, names)
+
+
+def hf_fsdp_layer(args: Any) -> Layer:
+    """What plain TrainingArguments state about our settings: `fsdp_config` (version 2: reshard_after_forward;
+    cpu_offload, activation_checkpointing) and `parallelism_config` sizes."""
+    return _fsdp_and_sizes_layer("TrainingArguments (fsdp_config / parallelism_config)", hf_fsdp_settings(args),
+                                 getattr(args, "parallelism_config", None), "fsdp_config")
+
+
+ACCELERATOR_SOURCE = "Accelerator arguments (fsdp_plugin / parallelism_config)"
+
+
+def accelerator_layer(fsdp_plugin: Any = None, parallelism_config: Any = None) -> Layer:
+    """What a script's `Accelerator(fsdp_plugin=..., parallelism_config=...)` states about our settings, read as
+    TrainingArguments' fsdp_config / parallelism_config are."""
+    return _fsdp_and_sizes_layer(ACCELERATOR_SOURCE, plugin_fsdp_settings(fsdp_plugin), parallelism_config,
+                                 "fsdp_plugin")
 
 
 def checkpointing_layer(args: Any) -> Layer:

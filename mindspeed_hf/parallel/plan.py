@@ -6,7 +6,7 @@ accelerate's names, the mesh dimension names, the data-loader rule (which ranks 
 exclusivity derive. A new axis = one row there + its ParallelConfig field + one step in parallelize + its module.
 
 A `ParallelPlan` holds the request facts: the sizes (dp_shard filled in), where each was set, the FSDP2 options,
-who asked, plus an unbuilt, validated `ParallelDims`. trainers/fsdp_plan.py builds it (`resolve_plan`) before any
+who asked, plus an unbuilt, validated `ParallelDims`. runtime/plan.py builds it (`resolve_plan`) before any
 work; the prepare hook builds its mesh (a collective) from `plan.dims` and hands it to parallelize.
 """
 

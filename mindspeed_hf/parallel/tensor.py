@@ -207,6 +207,9 @@ def _local_forward(self: nn.Module, *args, **kwargs):
     return out if state.output == "shard" else out.redistribute(placements=[Replicate()]).to_local()
 
 
+_local_forward._mindspeed_transparent = True  # it runs the forward the module had (report()'s replacements)
+
+
 def _shard_experts(module: nn.Module, mesh: DeviceMesh) -> None:
     """gate_up_proj [E, 2I, H]: this rank's slice of the gate half and of the up half (``_StridedShard(1, 2)``);
     down_proj [E, H, I]: ``Shard(2)``. The full tensors come from rank 0 (as torch's styles distribute them)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..data import FlatteningCollator
 from ..data.token_budget import TokenBudgetBatchSampler, row_lengths
-from .run import run_of
+from ..runtime import run_of
 
 __all__ = ["train_dataloader"]
 

@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..parallel.checkpoint import COMPLETE_MARKER, _barrier, _rank, is_complete_checkpoint, mark_complete, unmark
+from ..runtime import run_of
 from . import export_background
-from .run import run_of
 
 __all__ = ["CheckpointError", "begin_checkpoint_dir", "checkpoint_step", "newest_resumable", "resolve_resume",
            "save_checkpoint", "tied_keys_quiet", "unreadable_file"]

@@ -4,9 +4,8 @@ compute_loss (under tp every rank of a tp group trains on the same batch).
 With `parallel.cp > 1` the trainer's model went through parallelize's cp step (its attention runs over the cp
 group). Two hooks then make Trainer's own loop train it:
 
-- the accelerator's data loaders are prepared over accelerate's view of our world mesh (axes dp_replicate,
-  dp_shard, cp: accelerate's `prepare_data_loader` hands every rank of a cp group the same batches, different ones
-  across dp);
+- the accelerator's data loaders are prepared over accelerate's view of our world mesh (the accelerate seam,
+  runtime/accelerator.py, as for every accelerate loop: every rank of a cp group gets the same batches);
 - `compute_loss` gets this rank's share of each batch (`split_cp_batch`, labels shifted globally). Trainer's
   `num_items_in_batch`, gathered over every process, counts each dp batch cp times; divided by cp it is the global
   count, and Trainer's own loss scaling (x the process count) with FSDP2's average over dp_shard x cp then gives
@@ -18,11 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config.axes import AXES
 from ..parallel.context import context_of, split_cp_batch
-from .run import run_of
+from ..runtime import run_of
 
-__all__ = ["check_metrics_at_init", "check_predictions", "data_over_dp", "split_inputs"]
+__all__ = ["check_metrics_at_init", "check_predictions", "split_inputs"]
 
 
 def split_inputs(model: Any, inputs: dict[str, Any], num_items_in_batch: Any) -> tuple[dict[str, Any], Any]:
@@ -59,31 +57,3 @@ def check_metrics_at_init(trainer: Any) -> None:
     evaluates = getattr(strategy, "value", strategy) != "no"
     check_predictions(trainer, loss_only=not evaluates or trainer.compute_metrics is None
                       or bool(args.prediction_loss_only))
-
-
-def data_over_dp(trainer: Any) -> None:
-    """Prepare the trainer's data loaders over dp only when its model runs context or tensor parallel (the axes of
-    AXES marked same_batch: every rank of a cp or tp group gets the same batch). Called once the accelerator exists;
-    the mesh is looked up when a loader is prepared, after the model was sharded. accelerate's `prepare_data_loader`
-    reads our world mesh by its axis names (dp_replicate, dp_shard, cp, tp; tp innermost, then cp)."""
-    run = run_of(trainer)
-    plan = run.plan if run is not None else None
-    if plan is None or plan.same_batch == 1:
-        return
-    accelerator = trainer.accelerator
-    original = getattr(accelerator, "_prepare_device_mesh", None)
-    shared = ", ".join(f"{axis.path}={plan.size(axis)}" for axis in AXES if axis.same_batch and plan.size(axis) > 1)
-    if not callable(original):  # the one accelerate internal this needs (accelerate 1.10 - 1.15 have it)
-        import accelerate
-
-        raise RuntimeError(f"{shared}: accelerate {accelerate.__version__} has no "
-                           "Accelerator._prepare_device_mesh, which splits the data over dp only; valid choices: "
-                           f"{' and '.join(f'{axis.path}=1' for axis in AXES if axis.same_batch)}, or accelerate "
-                           "1.10 - 1.15")
-
-    def prepare_device_mesh():
-        if run.dims is not None and run.dims.same_batch_size > 1:
-            return run.dims.world_mesh
-        return original()
-
-    accelerator._prepare_device_mesh = prepare_device_mesh

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from ..config import AXES, Axis, ResolvedConfig
 from ..device import detect_device_type
+from ..runtime import resolve_config
 from ..value_kinds import parse_flag
-from .run import resolve_config
 
 logger = logging.getLogger("mindspeed_hf")
 

@@ -1,5 +1,5 @@
-"""The package's switches: `mindspeed_hf.enable()` is the kernels (patches/apply.py) plus the Trainer wiring
-(wiring.py), all or nothing; `mindspeed_hf.disable()` undoes both.
+"""The package's switches: `mindspeed_hf.enable()` is the kernels (patches/apply.py) plus the accelerate seam
+(runtime/accelerator.py) and the Trainer wiring (wiring.py), all or nothing; `mindspeed_hf.disable()` undoes them.
 
 Everything enable() depends on is checked before anything changes: the releases (versions.py), the config and its
 backend, and the transformers / accelerate internals the wiring needs (seams.py). A failure at any point leaves
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..config import MindSpeedConfig
 from ..patches import apply
+from ..runtime import install_accelerator_wiring, uninstall_accelerator_wiring
 from . import seams, wiring
 
 __all__ = ["UnsupportedReleaseError", "disable", "enable"]
@@ -20,8 +21,9 @@ class UnsupportedReleaseError(RuntimeError):
 
 
 def enable(config: MindSpeedConfig | None = None) -> None:
-    """Patch the kernels into every supported family, make `config` the process config and wire
-    transformers.Trainer (so a plain Trainer / SFTTrainer behaves like MindSpeedTrainer). Idempotent.
+    """Patch the kernels into every supported family, make `config` the process config, wire accelerate.Accelerator
+    (so every accelerate loop prepares models through mindspeed_hf) and transformers.Trainer (so a plain Trainer /
+    SFTTrainer behaves like MindSpeedTrainer). Idempotent.
 
     Raises (RuntimeError / ValueError, one line naming what is wrong) before changing anything when a release is
     outside the supported range, the config is invalid, or a Trainer internal the wiring needs is missing."""
@@ -31,14 +33,18 @@ def enable(config: MindSpeedConfig | None = None) -> None:
         raise UnsupportedReleaseError(problem)
     apply.enable(config)
     try:
+        install_accelerator_wiring()
         wiring.install_trainer_wiring()
     except BaseException:
         if not was_enabled:
+            uninstall_accelerator_wiring()
             apply.disable()
         raise
 
 
 def disable() -> None:
-    """Remove the Trainer wiring and restore every patched symbol exactly. Models keep working, unaccelerated."""
+    """Remove the Trainer and accelerate wiring and restore every patched symbol exactly. Models keep working,
+    unaccelerated."""
     wiring.uninstall_trainer_wiring()
+    uninstall_accelerator_wiring()
     apply.disable()

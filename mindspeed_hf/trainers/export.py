@@ -32,10 +32,12 @@ from .fsdp import MODEL_DIR, OPTIMIZER_DIR
 __all__ = ["export"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-#: what a checkpoint holds besides the model's side files: training state, weights, and what save_pretrained writes
+#: what a checkpoint holds besides the model's side files: training state (Trainer's, and accelerate save_state's:
+#: random_states_<i>.pkl, scheduler*.bin, sampler*.bin, custom_checkpoint_<i>.pkl, scaler.pt), weights, and what
+#: save_pretrained writes
 _NOT_COPIED = (COMPLETE_MARKER, "rng_state*.pth", "scheduler.pt", "optimizer.pt", "scaler.pt", TRAINER_STATE,
                "training_args.bin", "*.safetensors", "*.bin", "*.index.json", "config.json", "generation_config.json",
-               "adapter_config.json", "README.md")
+               "adapter_config.json", "README.md", "random_states_*.pkl", "custom_checkpoint_*.pkl")
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.index.json")
 
 

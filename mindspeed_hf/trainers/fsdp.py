@@ -1,13 +1,12 @@
-"""FSDP2 inside transformers.Trainer: the accelerator builds the mesh and shards the model itself.
+"""A sharded model inside transformers.Trainer: what is Trainer's own around the runtime's one path.
 
 Plain Trainer hands FSDP to accelerate, which on CPU silently falls back to DDP and refuses DTensor parameters
-on any multi-device run. So when FSDP is asked for (fsdp_plan.py reads every source of the request, before any
-work), the trainer's prepare hook builds ParallelDims + mesh (`build_dims`, kept in the trainer's Run) and
-`parallel.parallelize` shards the
-model. Trainer's own code then runs with our pieces around it, through the seams listed in seams.py:
+on any multi-device run. So when sharding is asked for (runtime/plan.py reads every source of the request, before
+any work), the model is prepared through the runtime (runtime/prepare.py: the mesh, `parallel.parallelize`) and the
+trainer's accelerator, made through the accelerate seam (runtime/accelerator.py) with the trainer's own Run, keeps it
+as it is. Trainer's own code then runs with our pieces around it, through the seams listed in seams.py:
 
-- the accelerator is created without accelerate's FSDP plugin (and on CPU told the real world size), and keeps
-  the sharded model as it is (no DDP, no second sharding);
+- the accelerator is created from arguments without an FSDP plugin (and on CPU told the real world size);
 - checkpoints are Trainer's own `_save_checkpoint` (trainer state, RNG, scaler, rotation, best model), made
   atomic by checkpoints.py as for every run: the model and optimizer go in as DCP shards (`pytorch_model_fsdp_0/`,
   `optimizer_0/`, accelerate's names), the COMPLETE marker once every rank is done, rotation after it; resume and
@@ -19,7 +18,6 @@ The wiring of Trainer's methods (every Trainer, MindSpeedTrainer included) calls
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 import os
@@ -27,55 +25,25 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from .. import parallel
+from .. import parallel, runtime
 from ..device import detect_device_type
+from ..runtime import run_of
+from ..runtime.plan import world_size_from
+from ..runtime.state import MODEL_DIR as _MODEL_DIRS
+from ..runtime.state import OPTIMIZER_DIR as _OPTIMIZER_DIRS
+from ..runtime.state import save_configs
 from . import checkpoints, context, seams
-from .fsdp_plan import FsdpPlan, resolve_plan, world_size_from
-from .run import Run, run_of
 
-__all__ = ["FsdpPlan", "build_dims", "dispatch", "resolve_plan"]
+__all__ = ["MODEL_DIR", "OPTIMIZER_DIR", "create_accelerator", "dispatch"]
 
 logger = logging.getLogger("mindspeed_hf")
-# Environment switches that make accelerate build its own FSDP plugin / mesh (masked while our accelerator is made).
-_ACCELERATE_SWITCHES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG")
-MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
+MODEL_DIR, OPTIMIZER_DIR = _MODEL_DIRS.format(0), _OPTIMIZER_DIRS.format(0)  # accelerate's names, as Trainer has one
 
 
-# ---------------------------------------------------------------------------------------------- sharding
-def low_precision(args: Any) -> torch.dtype | None:
-    """The run's bf16/fp16 mixed precision (TrainingArguments, or accelerate launch's environment)."""
-    mixed = getattr(args, "mixed_precision", None) or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed).lower())
-
-
-def build_dims(run: Run) -> parallel.ParallelDims:
-    """Init the process group and build the named mesh for the run's plan (collective); kept in the run."""
-    run.device_type = detect_device_type()
-    parallel.init_distributed(run.device_type)
-    run.dims = run.plan.new_dims(dist.get_world_size())
-    run.dims.build_mesh(run.device_type)
-    return run.dims
-
-
-def log_sharded(run: Run) -> None:
-    """After parallelize: say what was built."""
-    p = run.config.parallel
-    dims = run.dims
-    ep = f" ep={dims.ep} (efsdp={dims.efsdp_size})" if dims.ep_enabled else ""
-    ep += f" tp={dims.tp}" if dims.tp_enabled else ""
-    what = "FSDP2" if dims.dp_replicate * dims.fsdp_size > 1 else "tensor parallelism"
-    if dims.tp_enabled and what == "FSDP2":
-        what += " x tensor parallelism"
-    logger.info("mindspeed_hf: %s on %s (requested by %s): dp_replicate=%d dp_shard=%d%s, reshard_after_forward=%s,"
-                " cpu_offload=%s, param dtype %s", what, run.device_type, "; ".join(run.plan.sources),
-                dims.dp_replicate, dims.dp_shard, ep, p.reshard_after_forward, p.cpu_offload,
-                low_precision(run.args) or "as stored")
-
-
+# ---------------------------------------------------------------------------------------------- Trainer's state
 def check_after_init(trainer: Any) -> None:
     """Once Trainer.__init__ is done: refuse an optimizer built on the unsharded parameters, and (5.x) take
     Trainer's path for a model that owns its placement and gradient reduction."""
@@ -86,7 +54,8 @@ def check_after_init(trainer: Any) -> None:
                          "parameters; let Trainer create them (or override create_optimizer)")
     if seams.available("is_distributed_loading_by_transformers"):
         # Set on the trainer, after __init__: on the model it would also mean "sharded by from_pretrained", for
-        # which Trainer refuses optimizer checkpoints; older releases get the same from _keep_sharded.
+        # which Trainer refuses optimizer checkpoints; older releases get the same from the
+        # accelerate seam's prepare_model, which keeps a sharded model as it is.
         trainer.is_distributed_loading_by_transformers = True
 
 
@@ -115,39 +84,27 @@ def _world_visible_to_accelerate(args: Any) -> Iterator[None]:
         args.use_cpu = given
 
 
-def _keep_sharded(prepare_model: Callable) -> Callable:
-    """accelerator.prepare_model for a model we sharded: autocast / compile only, no DDP, no second sharding."""
-
-    @functools.wraps(prepare_model)
-    def prepare(model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
-        return prepare_model(model, device_placement=False, evaluation_mode=True)
-
-    return prepare
-
-
-def _create_accelerator(trainer: Any, original: Callable[[], None]) -> None:
-    """Trainer's accelerator, created without accelerate's FSDP plugin / ParallelismConfig (their settings were
-    read into the trainer's config already: we shard), and kept from wrapping the sharded model."""
-    from accelerate.state import AcceleratorState
-
+def create_accelerator(trainer: Any, original: Callable[[], None]) -> None:
+    """Trainer's accelerator, made through the accelerate seam (runtime/accelerator.py) with the trainer's own Run.
+    For a trainer we shard, its arguments hold no FSDP plugin / ParallelismConfig while it is made (their settings
+    are in the run's config: we shard) and on CPU its device setup counts every process; the arguments are given
+    back afterwards, so the copy saved in checkpoints is the user's."""
+    run = run_of(trainer)
+    if run.plan is None:
+        with runtime.adopting(run):
+            original()
+        return
     args = trainer.args
-    saved_env = {k: os.environ.pop(k) for k in _ACCELERATE_SWITCHES if k in os.environ}
     masked = [name for name in ("fsdp_plugin_args", "parallelism_config") if name in vars(args)]  # 4.57: no plugin
     saved_args = {name: vars(args)[name] for name in masked}
     for name in masked:
         setattr(args, name, None)
-    shared = AcceleratorState._shared_state
-    if shared.get("fsdp_plugin") is not None or shared.get("parallelism_config") is not None:
-        AcceleratorState._reset_state()  # an earlier Accelerator fixed FSDP in the process-wide state
     try:
-        with _world_visible_to_accelerate(args):
+        with _world_visible_to_accelerate(args), runtime.adopting(run):
             original()
     finally:
-        os.environ.update(saved_env)
         for name, value in saved_args.items():
             setattr(args, name, value)
-    trainer.accelerator.prepare_model = _keep_sharded(trainer.accelerator.prepare_model)
-    context.data_over_dp(trainer)  # context parallelism: batches split over dp only
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -159,22 +116,6 @@ def _plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _save_configs(model: nn.Module, save_directory: str) -> None:
-    """Beside a checkpoint's shards, what names the model: its config (with its architectures, as HF's
-    save_pretrained sets them) and generation config, and a PEFT model's adapter configs - what
-    `mindspeed-hf export` rebuilds the model from."""
-    os.makedirs(save_directory, exist_ok=True)
-    hf_model = parallel.unwrap_hf_model(model)
-    # the model's own class, not the FSDP2 subclass fully_shard made (FSDP<Class>)
-    own = next((c for c in type(hf_model).__mro__ if not issubclass(c, FSDPModule)), type(hf_model))
-    hf_model.config.architectures = [own.__name__]
-    hf_model.config.save_pretrained(save_directory)
-    if getattr(hf_model, "generation_config", None) is not None and hf_model.can_generate():
-        hf_model.generation_config.save_pretrained(save_directory)
-    for name, config in (getattr(model, "peft_config", None) or {}).items():
-        config.save_pretrained(save_directory if name == "default" else os.path.join(save_directory, name))
-
-
 @contextlib.contextmanager
 def _weights_already_written(model: nn.Module, checkpoint: bool) -> Iterator[None]:
     """While Trainer's save_model runs: the model's `save_pretrained` (what Trainer's `_save` writes the weights
@@ -183,7 +124,7 @@ def _weights_already_written(model: nn.Module, checkpoint: bool) -> Iterator[Non
     is its own."""
     own = vars(model).get("save_pretrained")
     model.save_pretrained = lambda save_directory, *args, **kwargs: (
-        _save_configs(model, save_directory) if checkpoint else None)
+        save_configs(model, save_directory) if checkpoint else None)
     try:
         yield
     finally:
@@ -267,7 +208,6 @@ def _defer_reduction(trainer: Any, original: Callable) -> contextlib.AbstractCon
 #: Trainer method name -> implementation(trainer, bound original, *args, **kwargs), used while FSDP is requested.
 #: Every name is a seam (seams.py).
 OVERRIDES: dict[str, Callable[..., Any]] = {
-    "create_accelerator_and_postprocess": _create_accelerator,
     "_move_model_to_device": _move_model_to_device,
     "_defer_fsdp_gradient_reduction": _defer_reduction,
     "evaluation_loop": _evaluation_loop,

@@ -13,24 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
+from transformers import TrainerCallback
 
-from ..device import detect_device_type, local_rank
-from ..memory.recompute import absorb_hf_checkpointing
-from ..parallel.parallelize import ParallelizeOptions, parallelize
-from ..parallel.towers import keep_media_in_step, tower_modules
-from ..patches import apply, scope
+from .. import runtime
+from ..patches import apply
+from ..runtime import Run, attach, resolve_config, run_of, watch
 from . import context, deepspeed, export_background, frameworks, fsdp, seams
-from .fsdp_plan import release_ddp_notice
-from .moe_balance import AuxFreeBalance, BalanceCallback
-from .moe_load import ExpertLoad
-from .run import Run, attach, resolve_config, run_of
+from .notices import release_ddp_notice
 
 __all__ = ["after_init", "during_train", "is_accelerated", "prepare_model", "start"]
 
@@ -53,70 +46,16 @@ def start(trainer: Any, args: Any) -> Run:
         raise ValueError(f"use_liger_kernel=True: transformers {transformers.__version__} applies Liger inside "
                          "Trainer.__init__, over mindspeed_hf's kernels; choose one: use_liger_kernel=False, or "
                          "MINDSPEED_HF_AUTO=0 to use Liger alone")
-    run = attach(trainer, Run(args=args, resolved=resolved, plan=fsdp.resolve_plan(args, resolved)))
+    run = attach(trainer, Run(args=args, resolved=resolved, plan=runtime.resolve_plan(args, resolved),
+                              param_dtype=runtime.low_precision(getattr(args, "mixed_precision", None))))
     release_ddp_notice(args, sharded=run.plan is not None)
     return run
 
 
 def prepare_model(trainer: Any, model: nn.Module) -> nn.Module:
-    """Attach the trainer's config to `model` (PEFT-wrapped too) and run `parallelize` on it (recompute, and the
-    mesh + each axis's step when asked for); record and log what applied. Returns the model Trainer should use."""
-    run = run_of(trainer)
-    run.report = apply.apply_to_model(model, run.config)
-    applied = [op for op, n in run.report.get("kernels", {}).items() if n]
-    logger.info("mindspeed_hf: %s runs %s with kernels %s (backend %s); recompute %s", type(trainer).__name__,
-                type(model).__name__, ", ".join(applied) or "none", run.report.get("backend"),
-                _recompute_state(model, run.config))
-    dims = fsdp.build_dims(run) if run.plan is not None else None
-    options = ParallelizeOptions(param_dtype=fsdp.low_precision(run.args) if dims else None,
-                                 layer_classes=run.plan.layer_classes if run.plan else None,
-                                 broadcast_from_rank0=bool(run.plan and run.plan.cpu_ram_efficient_loading))
-    model = parallelize(model, dims, run.config, options)
-    if dims is None:  # data parallelism we do not shard: DDP, DeepSpeed (our FSDP2 steps keep the towers in step)
-        _keep_towers_in_step(model)
-    absorb_hf_checkpointing(model, run.args, run.config.memory)  # applied: Trainer.train must not again
-    for previous in (run.moe_load, run.moe_balance):  # a model given again (model_init's re-init at train())
-        if previous is not None:
-            previous.remove()
-    history = (os.path.join(run.args.output_dir, ExpertLoad.HISTORY)
-               if getattr(run.args, "process_index", 0) == 0 and getattr(run.args, "output_dir", None) else None)
-    run.moe_load = ExpertLoad.attach(model, history) if run.config.moe.log_load else None
-    run.moe_balance = AuxFreeBalance.attach(model, run.config)
-    if dims is not None:
-        fsdp.log_sharded(run)
-    return model
-
-
-def _keep_towers_in_step(model: nn.Module) -> None:
-    """On more than one rank without our FSDP2 (Trainer's DDP, DeepSpeed ZeRO), a rank whose rows lack a medium
-    another rank has would still skip collectives of that tower: DDP's gradient reduction (it hangs without
-    find_unused_parameters, which gradient checkpointing turns off), ZeRO-1/2's gradient buckets, ZeRO-3's weight
-    gathers. parallel/towers.py's placeholders keep those ranks in step, as under our FSDP2."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    hf_model = apply.find_hf_model(model)
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and tower_modules(hf_model)):
-        return
-    # the flags' all-gather runs where the backend does
-    device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device(detect_device_type(), local_rank())
-    # ZeRO-3 gathers weights in every forward, DDP and ZeRO-1/2 reduce gradients only
-    installed = keep_media_in_step(model, hf_model, device, gradients_only=not is_deepspeed_zero3_enabled())
-    if installed is not None:
-        logger.info("mindspeed_hf: %d ranks train %s: the ranks' media compared each step; %s",
-                    dist.get_world_size(), type(hf_model).__name__,
-                    "a rank lacking a medium another rank has runs that tower on a placeholder"
-                    if installed == "placeholders" else "different media stop the step in one line")
-
-
-def _recompute_state(model: nn.Module, config: Any) -> str:
-    """What recomputes on `model`: ours (memory.recompute), HF's checkpointing switched on the model itself (as
-    LLaMA-Factory does before it builds the Trainer), or nothing."""
-    if config.memory.recompute:
-        return f"on ({config.memory.recompute_mode})"
-    hf_model = apply.find_hf_model(model)
-    if getattr(hf_model, "is_gradient_checkpointing", False):
-        return "on (Hugging Face gradient checkpointing, switched on the model)"
-    return "off"
+    """The model Trainer should use: prepared once through the runtime's one path (runtime/prepare.py: kernels,
+    the mesh, each axis's step, the MoE aids); its accelerator's prepare then finds it prepared."""
+    return runtime.prepare_model(run_of(trainer), model)
 
 
 def is_accelerated(trainer: Any) -> bool:
@@ -161,23 +100,19 @@ def _watch_kernels(trainer: Any) -> Iterator[None]:
     """Afterwards, one warning when a kernel patched into the trainer's model never ran during train()
     (report()["ran"] did not move), naming the cause when it is known: a trainer whose compute_loss computes the loss
     itself, or code that replaced our kernels."""
-    hf_model = apply.find_hf_model(trainer.model) if getattr(trainer, "model", None) is not None else None
-    if hf_model is None or not is_accelerated(trainer):
+    before = watch.snapshot(trainer.model) if getattr(trainer, "model", None) is not None else None
+    if before is None or not is_accelerated(trainer):
         yield
         return
-    before = dict(scope.ran(hf_model))
     yield
     if getattr(trainer.args, "torch_compile", False):  # a compiled graph runs no Python: nothing could count there
         logger.info("mindspeed_hf: torch_compile=True: the kernels ran inside the compiled graph, where they are not "
                     "counted (report()['ran'] counts eager forwards only)")
         return
-    result = apply.report(trainer.model)
-    replaced = apply.replacements(trainer.model)
-    on = {op for op, n in result["kernels"].items() if n} | set(replaced.values())
-    idle = [op for op in result["kernels"] if op in on and result["ran"].get(op, 0) == before.get(op, 0)]
+    idle, replaced = watch.idle_kernels(trainer.model, before)
     if idle:
         logger.warning("mindspeed_hf: %s patched into %s but never ran during train()%s", ", ".join(idle),
-                       type(hf_model).__name__, _idle_cause(trainer, idle, replaced))
+                       type(apply.find_hf_model(trainer.model)).__name__, _idle_cause(trainer, idle, replaced))
 
 
 def _idle_cause(trainer: Any, idle: list[str], replaced: dict[str, str]) -> str:
@@ -213,3 +148,16 @@ def _liger_guard(trainer: Any) -> Iterator[None]:
         yield
     finally:
         hf_trainer.apply_liger_kernel = current
+
+
+class BalanceCallback(TrainerCallback):
+    """Runs the trainer's balance step after every optimizer step (reads it from the trainer's Run each time: a
+    model re-initialised by model_init gets its own)."""
+
+    def __init__(self, balance_of) -> None:
+        self._balance_of = balance_of
+
+    def on_step_end(self, args, state, control, **kwargs):
+        balance = self._balance_of()
+        if balance is not None:
+            balance.step()

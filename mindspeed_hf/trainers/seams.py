@@ -92,8 +92,8 @@ SEAMS: tuple[Seam, ...] = (
     # read by Trainer's own code
     Seam("is_distributed_loading_by_transformers", "attribute",
          "set on the trainer of a sharded model: Trainer then leaves placement and gradient reduction to the model",
-         since="5.19", without="the accelerator's prepare_model keeps the model as sharded (fsdp._keep_sharded) and "
-                               "_move_model_to_device leaves its placement"),
+         since="5.19", without="the accelerator's prepare_model keeps the model as sharded (runtime/accelerator.py) "
+                               "and _move_model_to_device leaves its placement"),
     Seam("_is_fsdp_managed_module", "attribute",
          "set on a sharded model: generate() keeps the ranks in step and accumulation defers the reduction"),
     # transformers.trainer module names
@@ -113,14 +113,30 @@ SEAMS: tuple[Seam, ...] = (
          "CPU launch before the devices are set up; deepspeed.comm initialised after, before a ZeRO-3 model is built"),
     # accelerate internals (read in every release 1.10.1 .. 1.15.0)
     Seam("AcceleratorState._reset_state", "accelerate",
-         "drop an FSDP plugin an earlier Accelerator left in accelerate's process-wide state", since="1.10",
+         "drop an FSDP plugin an earlier Accelerator left in accelerate's process-wide state (runtime/accelerator.py)",
+         since="1.10",
          package="accelerate"),
     Seam("AcceleratorState._shared_state", "object",
          "read to see whether an earlier Accelerator left an FSDP plugin / ParallelismConfig in the process-wide "
-         "state (trainers/fsdp.py)", since="1.10", package="accelerate", owner="accelerate.state.AcceleratorState"),
+         "state (runtime/accelerator.py)", since="1.10", package="accelerate",
+         owner="accelerate.state.AcceleratorState"),
     Seam("Accelerator._prepare_device_mesh", "accelerate",
-         "context parallelism: data loaders prepared over our world mesh, so a cp group shares its batches "
-         "(trainers/context.py)", since="1.10", package="accelerate"),
+         "context / tensor parallelism: data loaders prepared over our world mesh, so a cp or tp group shares its "
+         "batches (runtime/accelerator.py)", since="1.10", package="accelerate"),
+    Seam("PartialState._shared_state", "object",
+         "read to see whether accelerate's process state was set up before without the other processes of a CPU "
+         "launch (runtime/accelerator.py)", since="1.10", package="accelerate",
+         owner="accelerate.state.PartialState"),
+    Seam("Accelerator._models", "source",
+         "a sharded run's models left out of accelerate's own save_state / load_state while we write and read "
+         "their DCP shards (runtime/accelerator.py)", since="1.10", package="accelerate",
+         owner="accelerate.accelerator"),
+    Seam("Accelerator._optimizers", "source",
+         "their optimizers likewise (runtime/accelerator.py)", since="1.10", package="accelerate",
+         owner="accelerate.accelerator"),
+    Seam("_is_accelerate_prepared", "source",
+         "a model accelerate prepared already is passed on as it is (runtime/accelerator.py)", since="1.10",
+         package="accelerate", owner="accelerate.accelerator"),
     Seam("fsdp_plugin_args", "source",
          "masked while our accelerator is made, so accelerate builds no FSDP plugin (trainers/fsdp.py; not "
          "underscored, but TrainingArguments sets it in __post_init__, undocumented)", since="5.0",
@@ -235,7 +251,7 @@ SEAMS: tuple[Seam, ...] = (
          feature="activation offload (memory/offload.py)"),
     Seam("torch._C._current_autograd_node", "object", "backward op counts of `mindspeed-hf bench` "
          "(cli/bench_counts.py); a forward rerun in backward by recompute is not counted again in the MoE load "
-         "(trainers/moe_load.py)", since="2.6", package="torch", owner="torch._C", accessor="current_autograd_node"),
+         "(moe/load.py)", since="2.6", package="torch", owner="torch._C", accessor="current_autograd_node"),
     Seam("torch._C._dispatch_key_for_device", "object", "which bitsandbytes kernel runs, for report() "
          "(patches/quantized.py)", since="2.6", package="torch", owner="torch._C",
          feature="report() of quantized models"),

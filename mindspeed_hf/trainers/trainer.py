@@ -12,9 +12,9 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from ..patches import apply
+from ..runtime import run_of
 from . import lifecycle, wiring
 from .enabling import enable
-from .run import run_of
 
 
 class MindSpeedTrainer(Trainer):

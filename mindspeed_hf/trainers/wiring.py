@@ -8,7 +8,7 @@ object, so it is covered too. Every original is kept and put back exactly by uni
 Settings for such a script come from its own `fsdp`/`fsdp_config`/`parallelism_config` arguments over the process
 config (MINDSPEED_HF_* variables, MINDSPEED_HF_CONFIG=path.yaml, the accelerate launch environment, the defaults);
 the Trainer methods in fsdp.OVERRIDES (each a seam, seams.py) are wrapped too and run ours while the model is
-sharded; Trainer.log adds the MoE expert load to the training loss's log (moe_load.py); Trainer.get_train_dataloader
+sharded; Trainer.log adds the MoE expert load to the training loss's log (moe/load.py); Trainer.get_train_dataloader
 sizes batches in tokens when data.max_tokens_per_batch is set (batching.py). TrainingArguments.__post_init__
 is wrapped for DeepSpeed
 (trainers/deepspeed.py: the refusal of our parallelism with it, and deepspeed.comm before a ZeRO-3 model is built).
@@ -21,12 +21,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ..moe import with_load
 from ..patches import scope
 from ..patches.engine import PatchSet
-from . import batching, deepspeed, fsdp, lifecycle, moe_load, seams
+from ..runtime import run_of
+from . import batching, deepspeed, fsdp, lifecycle, seams
 from .context import split_inputs
-from .fsdp_plan import ddp_notice_held
-from .run import run_of
+from .notices import ddp_notice_held
 
 _patches = PatchSet()
 
@@ -56,6 +57,17 @@ def _wrap_call_model_init(original: Callable) -> Callable:
         return model if run_of(self) is None else lifecycle.prepare_model(self, model)
 
     return call_model_init
+
+
+def _wrap_create_accelerator(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def create_accelerator_and_postprocess(self, *args: Any, **kwargs: Any) -> None:
+        """The trainer's accelerator adopts the trainer's Run (trainers/fsdp.py create_accelerator)."""
+        if run_of(self) is None:  # made before the wiring was installed: left alone
+            return original(self, *args, **kwargs)
+        return fsdp.create_accelerator(self, functools.partial(original, self, *args, **kwargs))
+
+    return create_accelerator_and_postprocess
 
 
 def _wrap_train(original: Callable) -> Callable:
@@ -125,13 +137,13 @@ def _wrap_fsdp(name: str) -> Callable[[Callable], Callable]:
 
 
 def _wrap_log(original: Callable) -> Callable:
-    """Trainer.log: the training loss's log gets the MoE expert load of its interval (trainers/moe_load.py)."""
+    """Trainer.log: the training loss's log gets the MoE expert load of its interval (moe/load.py)."""
 
     @functools.wraps(original)
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         run = run_of(self)
         load = run.moe_load if run else None
-        return original(self, moe_load.with_load(logs, load, self.state.global_step), *args, **kwargs)
+        return original(self, with_load(logs, load, self.state.global_step), *args, **kwargs)
 
     return log
 
@@ -150,6 +162,7 @@ def _wrappers() -> dict[str, Callable[[Callable], Callable]]:
     wrappers: dict[str, Callable[[Callable], Callable]] = {
         "__init__": _wrap_init,
         "call_model_init": _wrap_call_model_init,
+        "create_accelerator_and_postprocess": _wrap_create_accelerator,
         "train": _wrap_train,
         "compute_loss": _wrap_compute_loss,
         "log": _wrap_log,

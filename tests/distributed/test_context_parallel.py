@@ -149,8 +149,8 @@ def test_attention_refuses_an_unsplit_batch():
 
 def _cp_plan(args=None, env: dict | None = None, world: int = 4):
     from mindspeed_hf.config import resolve
+    from mindspeed_hf.runtime import resolve_plan
     from mindspeed_hf.trainers.arguments import hf_fsdp_layer
-    from mindspeed_hf.trainers.fsdp import resolve_plan
 
     env = env or {}
     resolved = resolve([hf_fsdp_layer(args)] if args is not None else [], env=env)
@@ -189,8 +189,8 @@ def test_compute_metrics_under_cp_is_refused_at_init(tmp_path):
 
     from transformers import TrainingArguments
 
+    from mindspeed_hf.runtime import Run, attach
     from mindspeed_hf.trainers.context import check_metrics_at_init
-    from mindspeed_hf.trainers.run import Run, attach
 
     sizes = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"}
 

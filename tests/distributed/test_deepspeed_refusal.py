@@ -80,7 +80,7 @@ def test_config_given_later_is_refused_in_the_trainer_setup():
 
 
 def test_deepspeed_alone_or_ours_alone_is_accepted():
-    resolved = mindspeed_hf.trainers.run.resolve_config(None)
+    resolved = mindspeed_hf.runtime.resolve_config(None)
     ds.check_exclusive(SimpleNamespace(deepspeed=DS_CONFIG, fsdp=None), resolved, env={})
     ds.check_exclusive(SimpleNamespace(deepspeed=None, fsdp="full_shard"), resolved, env={})
     # dp_shard stated as 1 (and dp_replicate 1): nothing to shard, so nothing that competes with DeepSpeed

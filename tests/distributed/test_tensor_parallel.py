@@ -239,7 +239,7 @@ def test_checkpoint_of_tp2_resumes_onto_dp_shard2(trainer_root):
 # ---------------------------------------------------------------------------------------------- plan and refusals
 def _plan(world: int, env: dict | None = None, **parallel):
     from mindspeed_hf.config import resolve
-    from mindspeed_hf.trainers.fsdp import resolve_plan
+    from mindspeed_hf.runtime import resolve_plan
 
     env = env or {}
     return resolve_plan(None, resolve(yaml_source={"parallel": parallel}, env=env), env=env, world_size=world)

@@ -22,13 +22,13 @@ TOL = 1e-5
 
 
 def accelerate_fsdp2_env(tmp: Path) -> dict[str, str]:
-    """What `accelerate launch --config_file examples/accelerate/fsdp2.yaml` exports, for 2 processes in fp32:
+    """What `accelerate launch --config_file examples/accelerate/npu_fsdp2_8.yaml` exports, for 2 processes in fp32:
     computed by accelerate's own launcher code from the example YAML."""
     import yaml
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    config = yaml.safe_load((REPO / "examples" / "accelerate" / "fsdp2.yaml").read_text())
+    config = yaml.safe_load((REPO / "examples" / "accelerate" / "npu_fsdp2_8.yaml").read_text())
     config.update(num_processes=2, mixed_precision="no")
     config["parallelism_config"]["parallelism_config_dp_shard_size"] = 2
     path = tmp / "fsdp2.yaml"
@@ -200,8 +200,8 @@ def test_example_under_torchrun_matches_single_process(script, how, tmp_path):
 def _plan(args=None, world: int = 2, env: dict | None = None, **parallel):
     """The plan for `args`, with `parallel` as the YAML file's section and `env` as the whole environment."""
     from mindspeed_hf.config import resolve
+    from mindspeed_hf.runtime import resolve_plan
     from mindspeed_hf.trainers.arguments import hf_fsdp_layer
-    from mindspeed_hf.trainers.fsdp import resolve_plan
 
     env = env or {}
     explicit = [hf_fsdp_layer(args)] if args is not None else []

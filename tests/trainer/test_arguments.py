@@ -11,8 +11,8 @@ import yaml
 from transformers import HfArgumentParser
 
 from mindspeed_hf.config import SECTIONS, MindSpeedConfig, config_from_dict, settings
+from mindspeed_hf.runtime import run_of
 from mindspeed_hf.trainers import MindSpeedTrainingArguments
-from mindspeed_hf.trainers.run import run_of
 
 FLAGS = ["--output_dir", "out", "--mindspeed_backend", "torch", "--mindspeed_rope", "false",
          "--mindspeed_loss_chunk_size", "256", "--mindspeed_dp_replicate", "2", "--mindspeed_dp_shard", "2",

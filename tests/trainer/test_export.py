@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 import mindspeed_hf
 from mindspeed_hf.cli.main import main as command
 from mindspeed_hf.parallel.checkpoint import mark_complete
-from mindspeed_hf.trainers.fsdp import MODEL_DIR, _save_configs
+from mindspeed_hf.runtime.state import save_configs as _save_configs
+from mindspeed_hf.trainers.fsdp import MODEL_DIR
 
 
 def _checkpoint(root, model, step: int = 4, complete: bool = True) -> str:

@@ -15,7 +15,7 @@ from transformers import Trainer
 import mindspeed_hf
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.patches import causal_lm
-from mindspeed_hf.trainers.run import run_of
+from mindspeed_hf.runtime import run_of
 
 STEPS = 3
 

@@ -1,4 +1,4 @@
-"""Auxiliary-loss-free expert balancing (trainers/moe_balance.py, `moe: {balance: aux_free, bias_update_rate}`):
+"""Auxiliary-loss-free expert balancing (moe/balance.py, `moe: {balance: aux_free, bias_update_rate}`):
 with zero biases the routing is HF's own (loss and gradients against the unpatched model); a bias re-chooses the
 experts by probability + bias with the weights from the probabilities (checked against a routing computed here from
 the router's logits); each step moves the biases by the rate against the load; a Trainer run with it evens out a
@@ -14,7 +14,7 @@ from transformers import Trainer, TrainingArguments
 
 import mindspeed_hf
 from mindspeed_hf.config import config_from_dict
-from mindspeed_hf.trainers.moe_balance import BIAS, AuxFreeBalance
+from mindspeed_hf.moe.balance import BIAS, AuxFreeBalance
 
 pytestmark = pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5,
                                 reason="fused experts modules: transformers >= 5")

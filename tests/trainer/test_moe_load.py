@@ -1,4 +1,4 @@
-"""MoE training people can watch (trainers/moe_load.py): a plain Trainer on a MoE model logs `moe/*` keys with every
+"""MoE training people can watch (moe/load.py): a plain Trainer on a MoE model logs `moe/*` keys with every
 training loss, equal to a count made independently from the router outputs of the same steps (forward hooks on each
 layer's router in the test); eval forwards and recompute in backward are not counted; `moe.log_load: false` adds
 nothing and no hook."""

@@ -11,8 +11,8 @@ import mindspeed_hf
 from mindspeed_hf.compat import training_args_checkpointing_names
 from mindspeed_hf.memory.recompute import decoder_layers
 from mindspeed_hf.memory.selective import is_wrapped
+from mindspeed_hf.runtime import run_of
 from mindspeed_hf.trainers import MindSpeedTrainer, MindSpeedTrainingArguments
-from mindspeed_hf.trainers.run import run_of
 
 SWITCH = training_args_checkpointing_names()[0]
 

@@ -13,8 +13,8 @@ from conftest import run
 from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer, TrainingArguments
 
 import mindspeed_hf
+from mindspeed_hf.runtime import run_of
 from mindspeed_hf.trainers import MindSpeedTrainer, MindSpeedTrainingArguments, wiring
-from mindspeed_hf.trainers.run import run_of
 
 WRAPPED = ("__init__", "call_model_init", "train")
 ORIGINALS = {name: vars(Trainer)[name] for name in WRAPPED}  # taken before anything here enables the package

@@ -1,32 +1,31 @@
-"""Whether, and how, a trainer's model is sharded with FSDP2: one reading of every source of the request.
+"""Whether, and how, a run's model is sharded by us: one reading of every source of the request, for a Trainer and
+an accelerate loop alike.
 
-Whether FSDP is asked for comes from TrainingArguments `fsdp` + `fsdp_config`, the environment `accelerate launch`
-exports for an FSDP config (ACCELERATE_USE_FSDP, FSDP_*), and the parallel sizes of the resolved config; the sizes
-and knobs themselves are settings of mindspeed_hf.config, resolved there with one precedence. Read once, before any
-work; contradictions fail with a message that names the settings.
+Whether FSDP is asked for comes from TrainingArguments `fsdp` + `fsdp_config` (a trainer), the `fsdp_plugin` a script
+gave its Accelerator (a loop), the environment `accelerate launch` exports for an FSDP config (ACCELERATE_USE_FSDP,
+FSDP_*), and the parallel sizes of the resolved config; the sizes and knobs themselves are settings of
+mindspeed_hf.config, resolved there with one precedence. Read once per run, before any work; contradictions fail with
+a message that names the settings.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 
 from .. import parallel
 from ..config import ACCELERATE_SOURCE, ParallelConfig, ResolvedConfig
-from ..config.sources import hf_fsdp_settings
+from ..config.sources import hf_fsdp_settings, plugin_fsdp_settings
 from ..parallel.plan import AXES, AXIS, SIZE_PATHS, ParallelPlan
 from ..value_kinds import parse_flag
 
 logger = logging.getLogger("mindspeed_hf")
 
 _SIZE_PATHS = SIZE_PATHS  # the sizes' setting paths, from the one table of axes (parallel/plan.py AXES)
-#: the plan of a trainer: ParallelPlan (the name kept for the callers that know it as FsdpPlan)
-FsdpPlan = ParallelPlan
 #: axes whose accelerate size alone (accelerate launch environment) asks for ours: accelerate's own would bypass our
 #: attention (cp) or shard the model its own way (tp)
 _TAKEN_FROM_ACCELERATE = (AXIS["cp"].path, AXIS["tp"].path)
@@ -35,13 +34,13 @@ _NOT_OURS = {"sp": "sequence parallel"}
 
 
 # ---------------------------------------------------------------------------------------------- the request
-def _hf_request(args: Any) -> dict[str, Any] | None:
-    """FSDP asked for through TrainingArguments. Its knobs (reshard_after_forward, cpu_offload,
-    activation_checkpointing) are settings: see mindspeed_hf.config.sources.hf_fsdp_layer."""
-    settings = hf_fsdp_settings(args)
+def _settings_request(source: str, settings: dict[str, Any] | None) -> dict[str, Any] | None:
+    """FSDP asked for through TrainingArguments (hf_fsdp_settings) or an Accelerator's plugin
+    (plugin_fsdp_settings). Its knobs (reshard_after_forward, cpu_offload, activation_checkpointing) are settings:
+    see mindspeed_hf.config.sources."""
     if settings is None:
         return None
-    return {"source": "TrainingArguments.fsdp/fsdp_config", "version": settings["version"],
+    return {"source": source, "version": settings["version"],
             **_wrap_request(settings["auto_wrap_policy"], settings["classes"], settings["state_dict_type"]),
             "cpu_ram_efficient_loading": parse_flag(settings["cpu_ram_efficient_loading"],
                                                "fsdp_config['cpu_ram_efficient_loading']")}
@@ -80,19 +79,18 @@ def _say_what_differs(request: dict[str, Any]) -> None:
                        "consolidated HF safetensors", request["source"])
 
 
-def _refuse_other_axes(args: Any, env: Mapping[str, str]) -> None:
+def _refuse_other_axes(pc: Any, pc_source: str, env: Mapping[str, str]) -> None:
     """accelerate's parallel sizes of axes we do not build (sequence parallel: not a row of AXES); refuse them
     before any work."""
     axes = [name for name in _NOT_OURS if name not in AXIS]
     stated = [("accelerate launch environment", {k: env.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE") for k in axes})]
-    pc = getattr(args, "parallelism_config", None)
     if pc is not None:
-        stated.append(("TrainingArguments.parallelism_config", {k: getattr(pc, f"{k}_size", None) for k in axes}))
+        stated.append((pc_source, {k: getattr(pc, f"{k}_size", None) for k in axes}))
     for label, sizes in stated:
         for name, why in ((name, _NOT_OURS[name]) for name in axes):
             if sizes.get(name) is not None and int(sizes[name]) > 1:
                 raise ValueError(f"{label}: {name} size {sizes[name]} ({why}) is not supported by mindspeed_hf's "
-                                 f"Trainer FSDP2 integration; valid choices: {name} size 1")
+                                 f"parallelism; valid choices: {name} size 1")
 
 
 def world_size_from(env: Mapping[str, str]) -> int:
@@ -120,10 +118,13 @@ def _asks_for_sharding(requests: list[dict[str, Any]], ours: dict[str, str], res
 
 
 def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | None = None,
-                 world_size: int | None = None, announce: bool = True) -> FsdpPlan | None:
-    """Whether (and how) this trainer's model is sharded with FSDP2; None leaves Trainer exactly as it is.
+                 world_size: int | None = None, announce: bool = True, *, fsdp_plugin: Any = None,
+                 parallelism_config: Any = None) -> ParallelPlan | None:
+    """Whether (and how) a run's model is sharded by us; None leaves Trainer / accelerate exactly as they are.
 
-    FSDP is asked for by TrainingArguments `fsdp` (version 2), by `accelerate launch` (ACCELERATE_USE_FSDP with
+    `args`: a trainer's TrainingArguments (None for an accelerate loop); `fsdp_plugin` / `parallelism_config`: what
+    a loop's script gave its Accelerator. FSDP is asked for by TrainingArguments `fsdp` (version 2), an Accelerator's
+    `fsdp_plugin` (fsdp_version 2), by `accelerate launch` (ACCELERATE_USE_FSDP with
     FSDP_VERSION 2), or by a parallel size set in our own settings (arguments, MINDSPEED_HF_*, YAML, or
     TrainingArguments' parallelism_config); accelerate's PARALLELISM_CONFIG_* sizes then shape the mesh too, and
     its PARALLELISM_CONFIG_CP_SIZE > 1 asks for it alone (our context parallelism replaces accelerate's). Sizes
@@ -134,7 +135,9 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
     """
     env = os.environ if env is None else env
     world = world_size_from(env) if world_size is None else world_size
-    requests = [r for r in (_hf_request(args), _env_request(env)) if r is not None]
+    own = (_settings_request("TrainingArguments.fsdp/fsdp_config", hf_fsdp_settings(args)) if args is not None
+           else _settings_request("Accelerator(fsdp_plugin=...)", plugin_fsdp_settings(fsdp_plugin)))
+    requests = [r for r in (own, _env_request(env)) if r is not None]
     if len(requests) == 2 and "FSDP_VERSION" not in env:
         # transformers 4.57 writes its own `fsdp` arguments into ACCELERATE_USE_FSDP / FSDP_*: not a second source
         requests = requests[:1]
@@ -157,7 +160,10 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
         return None
     if hf is None and not ours:
         return None
-    _refuse_other_axes(args, env)
+    if args is not None:
+        parallelism_config = getattr(args, "parallelism_config", None)
+    _refuse_other_axes(parallelism_config, "TrainingArguments.parallelism_config" if args is not None
+                       else "Accelerator(parallelism_config=...)", env)
     dims = _sizes(resolved, world)
     if dims.dp_replicate * dims.fsdp_size * dims.tp == 1:
         if announce and _asks_for_sharding(requests, ours, resolved):
@@ -170,62 +176,10 @@ def resolve_plan(args: Any, resolved: ResolvedConfig, env: Mapping[str, str] | N
     for request in requests if announce else []:
         _say_what_differs(request)
     p = resolved.config.parallel
-    sources = tuple(r["source"] for r in requests) + tuple(dict.fromkeys(sizes_set.values()))
+    asked = [r["source"] for r in requests]  # an FSDP request, then the sources of sizes it does not already name
+    sources = tuple(dict.fromkeys(asked + [s for s in sizes_set.values() if not any(a.startswith(s) for a in asked)]))
     return ParallelPlan.from_dims(dims, reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload,
                                   prefetch=p.prefetch,
                                   cpu_ram_efficient_loading=bool(hf and hf["cpu_ram_efficient_loading"]),
                                   sources=sources, layer_classes=next(iter(stated_classes), None),
                                   size_sources=sizes_set)
-
-
-# ---------------------------------------------------------------------------------------------- the DDP notice
-#: transformers' TrainingArguments notice on a CPU multi-process run without use_cpu (accelerate sees no DDP); about
-#: DDP, which a model we shard does not use.
-DDP_NOTICE = "torch.distributed process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED"
-
-
-class HeldNotice(logging.Filter):
-    """Holds back transformers' DDP notice (the records kept in `held`) until it is known whether we shard."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.held: list[logging.LogRecord] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.getMessage().startswith(DDP_NOTICE):
-            self.held.append(record)
-            return False
-        return True
-
-    def release(self, sharded: bool) -> None:
-        """Emit the held notice when the model is not sharded by us (it then is about the run); drop it otherwise."""
-        if not sharded:
-            for record in self.held:
-                logging.getLogger(record.name).handle(record)
-        self.held.clear()
-
-
-@contextlib.contextmanager
-def ddp_notice_held(args: Any = None) -> Iterator[HeldNotice]:
-    """While TrainingArguments are built: transformers' DDP notice held back (`release` says what becomes of it).
-    Given the arguments being built, the notice is kept for them until their trainer's `release_ddp_notice`."""
-    gate = HeldNotice()
-    hf_logger = logging.getLogger("transformers.training_args")
-    hf_logger.addFilter(gate)
-    try:
-        yield gate
-    finally:
-        hf_logger.removeFilter(gate)
-        if args is not None:
-            _HELD[id(args)] = gate
-
-
-#: id(TrainingArguments) -> transformers' DDP notice held while they were built.
-_HELD: dict[int, HeldNotice] = {}
-
-
-def release_ddp_notice(args: Any, sharded: bool) -> None:
-    """transformers' DDP notice for these arguments: printed when we do not shard the model, dropped when we do."""
-    notice = _HELD.pop(id(args), None)
-    if notice is not None:
-        notice.release(sharded)

@@ -25,12 +25,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import TrainerCallback
 
 from ..parallel import find_fused_experts
-from .moe_load import ExpertLoad
+from .load import ExpertLoad
 
-__all__ = ["AuxFreeBalance", "BalanceCallback"]
+__all__ = ["AuxFreeBalance"]
 
 BIAS = "expert_bias"
 logger = logging.getLogger("mindspeed_hf")
@@ -116,16 +115,3 @@ class AuxFreeBalance:
             handle.remove()
         self._handles = []
         self.load.remove()
-
-
-class BalanceCallback(TrainerCallback):
-    """Runs the trainer's balance step after every optimizer step (reads it from the trainer's Run each time: a
-    model re-initialised by model_init gets its own)."""
-
-    def __init__(self, balance_of) -> None:
-        self._balance_of = balance_of
-
-    def on_step_end(self, args, state, control, **kwargs):
-        balance = self._balance_of()
-        if balance is not None:
-            balance.step()
