@@ -204,3 +204,24 @@ def test_a_settings_error_at_import_is_one_line(tmp_path):
         assert done.returncode == 1
         lines = [line for line in done.stderr.strip().splitlines() if line not in stack]
         assert len(lines) == 1 and lines[0].startswith("mindspeed_hf: error: ") and expected in lines[0], lines
+
+
+def test_an_accelerators_own_arguments_are_the_explicit_layer(monkeypatch):
+    """What a loop's script gives `Accelerator(fsdp_plugin=..., parallelism_config=...)` is read like TrainingArguments'
+    fsdp_config / parallelism_config, over MINDSPEED_HF_* (the override logged by the run); a plugin's defaults
+    (accelerate fills them in) state nothing."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from mindspeed_hf.config import ACCELERATOR_SOURCE, accelerator_layer, resolve_for_accelerator
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=False, cpu_offload=True)
+    layer = accelerator_layer(plugin, ParallelismConfig(cp_size=2))
+    assert layer.values == {"parallel.reshard_after_forward": False, "parallel.cpu_offload": True,
+                            "parallel.dp_replicate": 1, "parallel.dp_shard": 1, "parallel.cp": 2, "parallel.tp": 1}
+    assert layer.names["parallel.cp"] == "parallelism_config.cp_size"
+    assert accelerator_layer(FullyShardedDataParallelPlugin(fsdp_version=2)).values == {}
+    monkeypatch.setenv("MINDSPEED_HF_PARALLEL_CP", "4")
+    resolved = resolve_for_accelerator(None, ParallelismConfig(cp_size=2))
+    assert resolved.config.parallel.cp == 2 and resolved.sources["parallel.cp"] == ACCELERATOR_SOURCE
+    assert [(o.path, o.replaced) for o in resolved.overrides] == [("parallel.cp", 4)]
