@@ -3,7 +3,7 @@ declarative family entries (families.py): attention, rope, q/k RMSNorm and SwiGL
 the models settled, reported and released (model.py)."""
 
 from .families import DENOISERS, DenoiserFamily
-from .model import apply_to_model, denoiser_blocks, family_of, find_denoiser, release, report, watch
+from .model import apply_to_model, block_parts, denoiser_blocks, family_of, find_denoiser, release, report, watch
 
-__all__ = ["DENOISERS", "DenoiserFamily", "apply_to_model", "denoiser_blocks", "family_of", "find_denoiser",
-           "release", "report", "watch"]
+__all__ = ["DENOISERS", "DenoiserFamily", "apply_to_model", "block_parts", "denoiser_blocks", "family_of",
+           "find_denoiser", "release", "report", "watch"]

@@ -64,6 +64,23 @@ def denoiser_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def block_parts(block: nn.Module) -> dict[str, list[nn.Module]] | None:
+    """A diffusers transformer block's direct children by selective-recompute part: "attention" (its attention
+    modules), "mlp" (its feed-forward modules), "norms" (its norm and adaptive-norm modules); None when `block` has
+    no diffusers attention child (not a diffusers block)."""
+    processor_module = sys.modules.get("diffusers.models.attention_processor")
+    attention_module = sys.modules.get("diffusers.models.attention")
+    if processor_module is None or attention_module is None:
+        return None
+    kinds = (processor_module.Attention, attention_module.AttentionModuleMixin)
+    children = list(block.children())
+    attention = [c for c in children if isinstance(c, kinds)]
+    if not attention:
+        return None
+    return {"attention": attention, "mlp": [c for c in children if "FeedForward" in type(c).__name__],
+            "norms": [c for c in children if "Norm" in type(c).__name__]}
+
+
 # ----------------------------------------------------------------------------------------------------- patching
 def watch() -> None:
     """enable(): patch each family when diffusers imports its modeling module (now if it already has)."""
