@@ -1,10 +1,6 @@
-"""Shared by the diffusion examples: tiny denoisers built from config, embedded data (cached latents and text
-embeddings, as diffusers' scripts keep them with --cache_latents: no VAE, no text encoder, no download), the
-flow-matching step of diffusers' official LoRA scripts, and JSON-lines output so runs can be compared.
-
-The data: `classes` prompts, each a fixed random text embedding, each drawing latents of its own smooth pattern
-(plus a little noise): the denoiser can learn the pattern of each prompt, so the loss falls within a few steps.
-"""
+"""Shared by the diffusion examples: their options, the embedded data and flow-matching step (shipped with
+mindspeed_hf for `mindspeed-hf train --recipe diffusion`: mindspeed_hf/cli/diffusion_data.py), and JSON-lines output
+so runs can be compared. Nothing here is needed by mindspeed_hf itself; a real script loads its own data."""
 
 from __future__ import annotations
 
@@ -14,11 +10,18 @@ import sys
 from typing import Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
-from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
-TEXT_DIM = 32
-TEXT_TOKENS = 8
+from mindspeed_hf.cli import diffusion_data as data
+from mindspeed_hf.cli.diffusion_data import (  # noqa: F401  (the scripts use them as tiny.NAME)
+    TEXT_DIM,
+    TEXT_TOKENS,
+    collate,
+    dataset,
+    flow_matching_loss,
+    image_ids,
+    noise_scheduler,
+    pack,
+)
 
 
 def arguments(description: str, steps: int = 30) -> argparse.ArgumentParser:
@@ -42,58 +45,10 @@ def arguments(description: str, steps: int = 30) -> argparse.ArgumentParser:
     return p
 
 
-def _patterns(classes: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """One smooth pattern per prompt class: a sum of a few low-frequency waves over the spatial (and time) axes."""
-    gen = torch.Generator().manual_seed(seed)
-    axes = torch.meshgrid(*(torch.linspace(0, 3.14, n) for n in shape[1:]), indexing="ij")
-    out = []
-    for _ in range(classes):
-        phase = torch.rand(len(axes), generator=gen) * 6.28
-        wave = sum(torch.sin(a * (1 + i) + p) for i, (a, p) in enumerate(zip(axes, phase)))
-        out.append(torch.randn(shape[0], *([1] * len(axes)), generator=gen) * wave)
-    return torch.stack(out)
-
-
-def dataset(num_examples: int, latent_shape: tuple[int, ...], classes: int = 4, seed: int = 1234) -> list[dict]:
-    """Rows {latents, prompt_embeds, pooled_prompt_embeds} of the embedded data."""
-    gen = torch.Generator().manual_seed(seed)
-    patterns = _patterns(classes, latent_shape, seed)
-    prompts = torch.randn(classes, TEXT_TOKENS, TEXT_DIM, generator=gen)
-    rows = []
-    for i in range(num_examples):
-        k = i % classes
-        rows.append({"latents": patterns[k] + 0.05 * torch.randn(latent_shape, generator=gen),
-                     "prompt_embeds": prompts[k], "pooled_prompt_embeds": prompts[k].mean(0)})
-    return rows
-
-
-def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
-    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
-
-
-def noise_scheduler() -> FlowMatchEulerDiscreteScheduler:
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
-
-
-def noisy_latents(args: argparse.Namespace, scheduler: FlowMatchEulerDiscreteScheduler, latents: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(noisy latents, timesteps, target, loss weighting) as the official flow-matching scripts draw them:
-    timesteps by compute_density_for_timestep_sampling, sigmas from the scheduler, target = noise - latents."""
-    noise = torch.randn_like(latents)
-    u = compute_density_for_timestep_sampling(args.weighting_scheme, latents.shape[0], args.logit_mean,
-                                              args.logit_std, args.mode_scale)
-    indices = (u * scheduler.config.num_train_timesteps).long()
-    timesteps = scheduler.timesteps[indices].to(latents.device)
-    sigmas = scheduler.sigmas.to(latents.device)[indices].float()
-    sigmas = sigmas.view(-1, *([1] * (latents.dim() - 1)))
-    noisy = (1.0 - sigmas) * latents + sigmas * noise
-    return noisy, timesteps, noise - latents, compute_loss_weighting_for_sd3(args.weighting_scheme, sigmas)
-
-
-def flow_matching_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor) -> torch.Tensor:
-    """The scripts' loss: weighted MSE per sample, averaged."""
-    per_sample = (weighting.float() * (pred.float() - target.float()) ** 2).reshape(target.shape[0], -1).mean(1)
-    return per_sample.mean()
+def noisy_latents(args: argparse.Namespace, scheduler: Any, latents: torch.Tensor):
+    """(noisy latents, timesteps, target, loss weighting) with the script's weighting options."""
+    return data.noisy_latents(latents, scheduler, args.weighting_scheme, args.logit_mean, args.logit_std,
+                              args.mode_scale)
 
 
 class JsonLines:

@@ -36,19 +36,6 @@ def tiny_flux() -> FluxTransformer2DModel:
                                   pooled_projection_dim=tiny.TEXT_DIM, axes_dims_rope=(4, 6, 6))
 
 
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, H/2 * W/2, 4C]: Flux's 2x2 latent patches (the pipeline's _pack_latents)."""
-    b, c, h, w = latents.shape
-    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, c * 4)
-
-
-def image_ids(height: int, width: int) -> torch.Tensor:
-    ids = torch.zeros(height // 2, width // 2, 3)
-    ids[..., 1] = torch.arange(height // 2)[:, None]
-    ids[..., 2] = torch.arange(width // 2)[None, :]
-    return ids.reshape(-1, 3)
-
-
 def main(argv: list[str] | None = None) -> list[float]:
     args = tiny.arguments(__doc__.splitlines()[0]).parse_args(argv)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -68,13 +55,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     lr_scheduler = get_scheduler("constant", optimizer=optimizer)
     transformer, optimizer, data, lr_scheduler = accelerator.prepare(transformer, optimizer, data, lr_scheduler)
     scheduler = tiny.noise_scheduler()
-    img_ids = image_ids(*LATENT[1:])
+    img_ids = tiny.image_ids(*LATENT[1:])
     txt_ids = torch.zeros(tiny.TEXT_TOKENS, 3)
     out, losses, step = tiny.JsonLines(args.losses_file), [], 0
     while step < args.max_train_steps:
         for batch in data:
             with accelerator.accumulate(transformer):
-                latents = pack(batch["latents"])
+                latents = tiny.pack(batch["latents"])
                 noisy, timesteps, target, weighting = tiny.noisy_latents(args, scheduler, latents)
                 pred = transformer(hidden_states=noisy, timestep=timesteps / 1000,
                                    encoder_hidden_states=batch["prompt_embeds"],
