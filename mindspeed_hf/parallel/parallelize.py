@@ -39,6 +39,8 @@ from torch.distributed.tensor import DTensor
 
 from ..config import MindSpeedConfig
 from ..memory import apply_offload_config, apply_recompute_config
+from ..patches import diffusion
+from .context.denoiser import apply_denoiser_context_parallel
 from .context.model import apply_context_parallel, context_parallel_from
 from .dims import ParallelDims, fsdp_mesh
 from .expert import adopt_native_ep, apply_expert_parallel, expert_fsdp_groups, native_expert_parallel
@@ -114,6 +116,12 @@ def apply_cp(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfi
     after its vision features are merged, its tower shared per parallel.cp_vision), checked first (heads divisible
     by the Ulysses size, no softcapping or attention dropout). Batches must then be split with split_cp_batch."""
     if dims is None or not dims.cp_enabled:
+        return model
+    denoiser = diffusion.find_denoiser(model)
+    if denoiser is not None:  # a diffusers DiT: its image / video tokens split by its own _cp_plan
+        family = diffusion.family_of(denoiser)
+        apply_denoiser_context_parallel(denoiser, context_parallel_from(dims, zigzag=False),
+                                        family.name if family is not None else type(denoiser).__name__)
         return model
     hf_model = unwrap_hf_model(model)
     pad = getattr(getattr(hf_model.config, "get_text_config", lambda: hf_model.config)(), "pad_token_id", None)

@@ -92,6 +92,8 @@ def dispatch_function(original: Callable) -> Callable:
                               scale: float | None = None, enable_gqa: bool = False,
                               attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
                               parallel_config: Any = None) -> torch.Tensor:
+        if hasattr(parallel_config, "mindspeed_attention"):  # our context parallelism (parallel/context/denoiser.py)
+            return parallel_config.mindspeed_attention(query, key, value, attn_mask, dropout_p, scale, is_causal)
         if (routed("attention") and backend is None and parallel_config is None and not attention_kwargs
                 and not enable_gqa and native_default()):
             if attn_mask is not None and attn_mask.dim() == 2 and tuple(attn_mask.shape) == (query.shape[0],
