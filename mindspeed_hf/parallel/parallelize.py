@@ -8,7 +8,8 @@ The steps run in this order, each a small function `step(model, dims, config, op
     1. ep          parallel.ep > 1: each fused experts module keeps E/ep experts (DTensor Shard(0) on the ep mesh)
                    and exchanges tokens with the other ep ranks (parallel/expert.py)
        cp          parallel.cp > 1: attention runs over the cp group (ring / Ulysses / hybrid,
-                   parallel/context/model.py); each batch then goes through split_cp_batch
+                   parallel/context/model.py); each batch then goes through split_cp_batch; a diffusers
+                   denoiser splits its image / video tokens itself by its _cp_plan (parallel/context/denoiser.py)
     2. recompute   memory.recompute*: non-reentrant activation checkpointing, full or selective
        offload     memory.offload_*: asynchronous activation offload of the chosen decoder layers (memory/offload.py)
     3. fsdp        parallel.*: FSDP2 / HSDP over the mesh `dims` built (the experts on expert_fsdp first, then

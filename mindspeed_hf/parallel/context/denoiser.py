@@ -6,8 +6,9 @@ applied here with our own hooks rather than diffusers' (hooks/context_parallel.p
 
 - diffusers' gather returns each rank's slice of the output gradient as is. With the loss computed on the gathered
   output (the same on every rank, what an unmodified training script does) every parameter's gradient is then this
-  rank's share; our gather scales it by cp, so that the mean over the cp group (what FSDP2 over dp_shard x cp
-  takes, as for the transformers models' context parallelism, model.py) is the one-process gradient.
+  rank's share (Flux's and Wan's plans gather after their last parameter), to be summed over the cp group; our
+  gather scales it by cp, so that the mean over the cp group (what FSDP2 over dp_shard x cp takes, as for the
+  transformers models' context parallelism, model.py) is the one-process gradient.
 - diffusers' ring on NPU has no backward (`_npu_attention_backward_op` raises), and its native ring needs the
   log-sum-exp of a backend that has one. Ours is `context_attention` (ring across, Ulysses inside, either optional)
   on the device block kernels with their log-sum-exp (npu_fusion_attention / _grad on NPU).
