@@ -39,10 +39,6 @@ class DenoiserFamily:
     rope_processor_calls: tuple[str, ...] = ()  # processors whose rope is nested in their call: the call is ours
     swiglu: tuple[str, ...] = ()  # packed SwiGLU activation modules (silu(first half) * second half)
 
-    @property
-    def modeling_module(self) -> str:
-        return self.module
-
 
 DENOISERS: dict[str, DenoiserFamily] = {
     family.name: family

@@ -75,5 +75,4 @@ def processor_call(module: ModuleType, original: Callable) -> Callable | None:
             out = out + from_image
         return attn.to_out[1](attn.to_out[0](out))
 
-    __call__.__wrapped__ = original  # inspect.signature (diffusers reads the processor's parameters) sees Wan's
     return __call__
