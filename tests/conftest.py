@@ -27,7 +27,7 @@ logging.getLogger("mindspeed_hf").propagate = True  # let caplog see the package
 # loops, the fine-tuning frameworks. The README's quick command leaves them out (`-m "not slow"`); .ci/run runs all.
 SLOW = ("distributed/", "frameworks/", "trainer/test_crash_resume.py", "trainer/test_examples.py",
         "trainer/test_vl_recipe.py", "trainer/test_qwen3_tts_example.py", "trainer/test_bench_cli.py",
-        "trainer/test_bench_gpu_check.py", "trainer/test_bench_counts.py")
+        "trainer/test_bench_gpu_check.py", "trainer/test_bench_counts.py", "trainer/test_diffusion_recipe.py")
 QUICK = ("distributed/test_context_split.py", "distributed/test_deepspeed_refusal.py",
          "distributed/test_parallel_dims.py")  # in distributed/, but single-process and short
 

@@ -18,11 +18,12 @@ from ..config import TRAIN_RECIPES
 USAGE = """mindspeed-hf <command> [options]
 
 commands:
-  train [CONFIG.yaml] [--recipe text|vl|omni] [--metrics-file F] [--skip-quality-eval]
+  train [CONFIG.yaml] [--recipe text|vl|omni|diffusion] [--metrics-file F] [--skip-quality-eval]
         [--resume_from_checkpoint [PATH]] [--debug] [--<TrainingArguments key> VALUE ...]
         SFT run from a YAML run description (no CONFIG: the embedded tiny default run; --recipe vl: the embedded
         vision-language run, a tiny Qwen2.5-VL model on synthetic images, transformers >= 5; --recipe omni: the
-        embedded audio + vision run, a tiny Qwen2.5-Omni thinker on synthetic tones and images); with
+        embedded audio + vision run, a tiny Qwen2.5-Omni thinker on synthetic tones and images; --recipe diffusion:
+        a tiny Flux transformer's text-to-image LoRA run in diffusers' loop, needs diffusers); with
         --resume_from_checkpoint it continues from PATH, or without PATH from the newest complete checkpoint
         in output_dir. Errors are one line (exit status 2); --debug shows the traceback
   env   device, versions and the kernel each op uses here, as a markdown table
@@ -132,6 +133,9 @@ def _train_media(recipe: str, overrides: list[str], metrics_file: str | None, qu
     if recipe == "vl":
         from .vl_recipe import run_vl_training as run
         from .vl_recipe import vl_training_args as training_args
+    elif recipe == "diffusion":
+        from .diffusion_recipe import diffusion_training_args as training_args
+        from .diffusion_recipe import run_diffusion_training as run
     else:
         from .omni_recipe import omni_training_args as training_args
         from .omni_recipe import run_omni_training as run

@@ -41,6 +41,9 @@ TRAIN_RECIPES = {
           "images (the colour and the quadrant of a shape); needs transformers >= 5",
     "omni": "the embedded audio + vision + text run: a tiny Qwen2.5-Omni thinker learns to answer questions about "
             "a synthetic audio clip (the pitch and the length of a tone) and a synthetic image",
+    "diffusion": "the embedded text-to-image LoRA run: a tiny Flux transformer (diffusers) learns the latent pattern "
+                 "of each of four prompts with diffusers' flow-matching LoRA loop; needs diffusers (the diffusion "
+                 "extra)",
 }
 
 

@@ -25,6 +25,7 @@ from ..compat import (
     training_args_checkpointing_names,
 )
 from ..config import MemoryConfig
+from ..patches import diffusion
 from . import selective
 
 logger = logging.getLogger("mindspeed_hf")
@@ -50,10 +51,15 @@ def enable_recompute(model: nn.Module) -> bool:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's decoder layers (transformers' GradientCheckpointingLayer instances), in order."""
+    """The model's decoder layers (transformers' GradientCheckpointingLayer instances), in order; for a diffusers
+    denoiser its transformer blocks (patches/diffusion: its family's, else the ones `_repeated_blocks` names)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if layers:
+        return layers
+    denoiser = diffusion.find_denoiser(model)
+    return diffusion.denoiser_blocks(denoiser) if denoiser is not None else []
 
 
 def chosen_layers(selection: str | int | list[int], count: int, setting: str = "memory.recompute_layers") -> list[int]:
@@ -71,16 +77,20 @@ def chosen_layers(selection: str | int | list[int], count: int, setting: str = "
 
 
 def layer_parts(layer: nn.Module, modules: list[str]) -> list[tuple[nn.Module, Any]]:
-    """(part, checkpoint context_fn) for each part of `layer` that `modules` (recompute_modules) names."""
+    """(part, checkpoint context_fn) for each part of `layer` that `modules` (recompute_modules) names (a diffusers
+    block's: its attention modules, feed-forwards and norms, diffusion.block_parts)."""
     children = dict(layer.named_children())
+    found = diffusion.block_parts(layer) if not any(n in children for n in (*_ATTENTION, *_MLP)) else None
     parts: list[tuple[nn.Module, Any]] = []
     if "self_attn" in modules or "attention_core" in modules:
         context = None if "self_attn" in modules else selective.ATTENTION_CORE_CONTEXT
-        parts += [(children[n], context) for n in _ATTENTION if n in children]
+        attention = found["attention"] if found else [children[n] for n in _ATTENTION if n in children]
+        parts += [(part, context) for part in attention]
     if "mlp" in modules:
-        parts += [(children[n], None) for n in _MLP if n in children]
+        parts += [(part, None) for part in (found["mlp"] if found else [children[n] for n in _MLP if n in children])]
     if "norms" in modules:
-        parts += [(child, None) for name, child in children.items() if name.endswith("norm")]
+        norms = found["norms"] if found else [child for name, child in children.items() if name.endswith("norm")]
+        parts += [(part, None) for part in norms]
     return parts
 
 
@@ -103,14 +113,19 @@ def apply_recompute_config(model: nn.Module, memory: MemoryConfig) -> None:
     remove_recompute(model)
     layers = decoder_layers(model)
     chosen = chosen_layers(memory.recompute_layers, len(layers))
+    denoiser = diffusion.find_denoiser(model) if mode == "full" else None
+    if denoiser is not None:  # diffusers switches checkpointing per model, not per block: each chosen block wrapped
+        _whole_blocks(denoiser, [layers[i] for i in chosen], len(layers))
+        return
     if mode == "full":
         if enable_recompute(model):
             for index, layer in enumerate(layers):
                 layer.gradient_checkpointing = index in chosen
         return
-    if _layer_checkpointing_on(model):
+    if _layer_checkpointing_on(model) or _denoiser_checkpointing_on(model):
         logger.info("mindspeed_hf: selective recompute replaces the whole-layer checkpointing that was on")
         disable_activation_checkpointing(model)
+        _denoiser_checkpointing_off(model)
     wrapped = 0
     for index in chosen:
         for part, context in layer_parts(layers[index], memory.recompute_modules):
@@ -122,6 +137,29 @@ def apply_recompute_config(model: nn.Module, memory: MemoryConfig) -> None:
         return
     logger.info("mindspeed_hf: recompute is on (selective: %s in %d of %d decoder layers)",
                 ", ".join(memory.recompute_modules), len(chosen), len(layers))
+
+
+def _denoiser_checkpointing_on(model: nn.Module) -> bool:
+    denoiser = diffusion.find_denoiser(model)
+    return denoiser is not None and bool(getattr(denoiser, "is_gradient_checkpointing", False))
+
+
+def _denoiser_checkpointing_off(model: nn.Module) -> None:
+    """diffusers' own (model-wide) gradient checkpointing off: ours replaces it."""
+    if _denoiser_checkpointing_on(model):
+        diffusion.find_denoiser(model).disable_gradient_checkpointing()
+
+
+def _whole_blocks(denoiser: nn.Module, chosen: list[nn.Module], count: int) -> None:
+    """memory.recompute=full on a diffusers denoiser: the chosen blocks recompute whole (non-reentrant), in place
+    of diffusers' own checkpointing, which covers every block or none."""
+    if _denoiser_checkpointing_on(denoiser):
+        logger.info("mindspeed_hf: recompute=full replaces diffusers' own gradient checkpointing (every block) with "
+                    "the chosen blocks")
+        _denoiser_checkpointing_off(denoiser)
+    for block in chosen:
+        selective.wrap(block)
+    logger.info("mindspeed_hf: recompute is on (full: %d of %d transformer blocks)", len(chosen), count)
 
 
 # ----------------------------------------------------------------------------- HF's own gradient_checkpointing

@@ -4,7 +4,16 @@ Importing the package registers every op, so the registry (and `mindspeed-hf env
 """
 
 # The module (not its function) keeps this name: `import mindspeed_hf.ops.fused_linear_cross_entropy` must work.
-from . import experts, fused_linear_cross_entropy, linear, linear_attention, vision_attention  # noqa: F401  (register their ops)
+from . import (  # noqa: F401  (register their ops)
+    dit_attention,
+    dit_rms_norm,
+    dit_rope,
+    experts,
+    fused_linear_cross_entropy,
+    linear,
+    linear_attention,
+    vision_attention,
+)
 from .attention import ATTENTION_NAME, attention_forward, register_attention, unregister_attention
 from .registry import BACKEND_CHOICES, implementation, registered_ops, resolve_backend, select, set_backend
 from .rms_norm import rms_norm

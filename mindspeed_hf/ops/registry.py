@@ -42,7 +42,8 @@ _ran: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("mi
 # The running backends while torch.compile traces a model's forward (use_backend).
 _traced_backends: list[str | None] = []
 # Registry ops counted under the name report() uses for them.
-_REPORTED_AS = {"swiglu_packed": "swiglu", "context_block_forward": "attention"}
+_REPORTED_AS = {"swiglu_packed": "swiglu", "context_block_forward": "attention", "dit_attention": "attention",
+                "dit_rope": "rope", "dit_rms_norm": "rms_norm"}
 
 
 def _always() -> bool:

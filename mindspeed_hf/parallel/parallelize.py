@@ -8,7 +8,8 @@ The steps run in this order, each a small function `step(model, dims, config, op
     1. ep          parallel.ep > 1: each fused experts module keeps E/ep experts (DTensor Shard(0) on the ep mesh)
                    and exchanges tokens with the other ep ranks (parallel/expert.py)
        cp          parallel.cp > 1: attention runs over the cp group (ring / Ulysses / hybrid,
-                   parallel/context/model.py); each batch then goes through split_cp_batch
+                   parallel/context/model.py); each batch then goes through split_cp_batch; a diffusers
+                   denoiser splits its image / video tokens itself by its _cp_plan (parallel/context/denoiser.py)
     2. recompute   memory.recompute*: non-reentrant activation checkpointing, full or selective
        offload     memory.offload_*: asynchronous activation offload of the chosen decoder layers (memory/offload.py)
     3. fsdp        parallel.*: FSDP2 / HSDP over the mesh `dims` built (the experts on expert_fsdp first, then
@@ -39,6 +40,8 @@ from torch.distributed.tensor import DTensor
 
 from ..config import MindSpeedConfig
 from ..memory import apply_offload_config, apply_recompute_config
+from ..patches import diffusion
+from .context.denoiser import apply_denoiser_context_parallel
 from .context.model import apply_context_parallel, context_parallel_from
 from .dims import ParallelDims, fsdp_mesh
 from .expert import adopt_native_ep, apply_expert_parallel, expert_fsdp_groups, native_expert_parallel
@@ -114,6 +117,12 @@ def apply_cp(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfi
     after its vision features are merged, its tower shared per parallel.cp_vision), checked first (heads divisible
     by the Ulysses size, no softcapping or attention dropout). Batches must then be split with split_cp_batch."""
     if dims is None or not dims.cp_enabled:
+        return model
+    denoiser = diffusion.find_denoiser(model)
+    if denoiser is not None:  # a diffusers DiT: its image / video tokens split by its own _cp_plan
+        family = diffusion.family_of(denoiser)
+        apply_denoiser_context_parallel(denoiser, context_parallel_from(dims, zigzag=False),
+                                        family.name if family is not None else type(denoiser).__name__)
         return model
     hf_model = unwrap_hf_model(model)
     pad = getattr(getattr(hf_model.config, "get_text_config", lambda: hf_model.config)(), "pad_token_id", None)

@@ -16,7 +16,7 @@ from .. import compat
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS, register_attention, unregister_attention
-from . import experts, forwards, linear_attention, multimodal, scope, talker, third_party
+from . import diffusion, experts, forwards, linear_attention, multimodal, scope, talker, third_party
 from .engine import FUSED_LAYERS, PATCHES
 from .families import FAMILIES, ModelFamily
 from .reporting import announce as _announce
@@ -174,6 +174,7 @@ def enable(config: MindSpeedConfig | None = None) -> None:
             experts.register()
             for family in FAMILIES.values():
                 _patch_family(family)
+            diffusion.watch()  # diffusers' denoisers: each family when its module is imported
         except BaseException:
             _unpatch()
             raise
@@ -205,6 +206,7 @@ def disable() -> None:
         scope.detach(model)
         model.__dict__.pop("_mindspeed_ran", None)
     _models.clear()
+    diffusion.release()
     registry.set_backend(None)
     scope.set_process_config(None)
     _state["explicit"] = None
@@ -232,6 +234,8 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
     if not is_enabled():
         enable()
     config = config or scope.process_config()
+    if find_hf_model(model) is None and diffusion.find_denoiser(model) is not None:
+        return diffusion.apply_to_model(model, config)
     hf_model = find_hf_model(model)
     family = family_of(model)
     if family is None:

@@ -67,6 +67,12 @@ def report(model: nn.Module) -> dict[str, Any]:
     implementation of each op on the model's device."""
     device = model_device(model)
     hf_model = find_hf_model(model)
+    if hf_model is None:
+        from .diffusion import find_denoiser
+        from .diffusion import report as denoiser_report
+
+        if find_denoiser(model) is not None:  # a diffusers image / video denoiser
+            return denoiser_report(model)
     family = family_of(model)
     counts = dict.fromkeys(OPS, 0)
     vision = dict.fromkeys(multimodal.VISION_OPS, 0)

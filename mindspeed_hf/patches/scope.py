@@ -122,14 +122,17 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
 _leave._mindspeed_scope = True
 
 
-def _scoped_modules(hf_model: nn.Module) -> list[nn.Module]:
+def _scoped_modules(hf_model: nn.Module, layers: tuple[nn.Module, ...] = ()) -> list[nn.Module]:
     """The model, its backbone (TRL calls it directly), nested loss heads (called on their own: Qwen3-Omni's code
     predictor), and every decoder layer's direct children: activation checkpointing reruns a layer's forward body in
     backward (transformers 5 checkpoints `forward`, outside the layer's own hooks), and the children's hooks run
-    again there."""
+    again there. `layers`: more such layers (a diffusers denoiser's transformer blocks)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     found = {id(hf_model): hf_model}
+    for layer in layers:
+        for child in (layer, *layer.children()):
+            found.setdefault(id(child), child)
     base = getattr(hf_model, "base_model", None)
     if isinstance(base, nn.Module):
         found.setdefault(id(base), base)
@@ -143,14 +146,14 @@ def _scoped_modules(hf_model: nn.Module) -> list[nn.Module]:
     return list(found.values())
 
 
-def attach(hf_model: nn.Module, config: MindSpeedConfig) -> None:
-    """Give `hf_model` its own config: current while it (or one of its layers) runs. Calling it again replaces
-    the config; `detach` removes it."""
+def attach(hf_model: nn.Module, config: MindSpeedConfig, layers: tuple[nn.Module, ...] = ()) -> None:
+    """Give `hf_model` its own config: current while it (or one of its layers, or one of `layers`) runs. Calling it
+    again replaces the config; `detach` removes it."""
     detach(hf_model)
     if config.backend != "auto":
         registry.validate_backend_name(config.backend, "backend")
     counts = ran(hf_model)
-    for module in _scoped_modules(hf_model):
+    for module in _scoped_modules(hf_model, layers):
         module.register_forward_pre_hook(_enter(config, counts))
         module.register_forward_hook(_leave, always_call=True)
     hf_model._mindspeed_config = config

@@ -1,0 +1,73 @@
+"""Shared by the diffusion examples: their options, the embedded data and flow-matching step (shipped with
+mindspeed_hf for `mindspeed-hf train --recipe diffusion`: mindspeed_hf/cli/diffusion_data.py), and JSON-lines output
+so runs can be compared. Nothing here is needed by mindspeed_hf itself; a real script loads its own data."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from mindspeed_hf.cli import diffusion_data as data
+from mindspeed_hf.cli.diffusion_data import (  # noqa: F401  (the scripts use them as tiny.NAME)
+    TEXT_DIM,
+    TEXT_TOKENS,
+    collate,
+    dataset,
+    flow_matching_loss,
+    image_ids,
+    noise_scheduler,
+    pack,
+)
+
+
+def arguments(description: str, steps: int = 30) -> argparse.ArgumentParser:
+    """The options diffusers' LoRA scripts have that these runs use (same names)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--max_train_steps", type=int, default=steps)
+    p.add_argument("--train_batch_size", type=int, default=4)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--learning_rate", type=float, default=1e-2)
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default="no")
+    p.add_argument("--weighting_scheme", choices=("sigma_sqrt", "logit_normal", "mode", "cosmap", "none"),
+                   default="logit_normal")
+    p.add_argument("--logit_mean", type=float, default=0.0)
+    p.add_argument("--logit_std", type=float, default=1.0)
+    p.add_argument("--mode_scale", type=float, default=1.29)
+    p.add_argument("--num_examples", type=int, default=32)
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--losses_file", default=None, help="write JSON lines here instead of stdout")
+    return p
+
+
+def noisy_latents(args: argparse.Namespace, scheduler: Any, latents: torch.Tensor):
+    """(noisy latents, timesteps, target, loss weighting) with the script's weighting options."""
+    return data.noisy_latents(latents, scheduler, args.weighting_scheme, args.logit_mean, args.logit_std,
+                              args.mode_scale)
+
+
+class JsonLines:
+    """Writes one JSON object per line to a file (or stdout)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.file = open(path, "w") if path else sys.stdout  # noqa: SIM115  (closed by close())
+
+    def write(self, **fields: Any) -> None:
+        self.file.write(json.dumps(fields) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not sys.stdout:
+            self.file.close()
+
+
+def emit_report(out: JsonLines, model: torch.nn.Module) -> None:
+    """What the accelerator applied and ran on `model` (kernels all 0 without it)."""
+    import mindspeed_hf
+
+    out.write(enabled=mindspeed_hf.is_enabled(), report=mindspeed_hf.report(model))
