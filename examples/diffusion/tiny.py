@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -41,28 +42,36 @@ def arguments(description: str, steps: int = 30) -> argparse.ArgumentParser:
     p.add_argument("--mode_scale", type=float, default=1.29)
     p.add_argument("--num_examples", type=int, default=32)
     p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--noise_per_example", action="store_true",
+                   help="draw each example's noise and timestep from its own generator (seed, step, example index), so "
+                   "any number of processes draws the same noise for an example (to compare runs)")
     p.add_argument("--losses_file", default=None, help="write JSON lines here instead of stdout")
     return p
 
 
-def noisy_latents(args: argparse.Namespace, scheduler: Any, latents: torch.Tensor):
+def noisy_latents(args: argparse.Namespace, scheduler: Any, latents: torch.Tensor, indices: torch.Tensor,
+                  step: int):
     """(noisy latents, timesteps, target, loss weighting) with the script's weighting options."""
-    return data.noisy_latents(latents, scheduler, args.weighting_scheme, args.logit_mean, args.logit_std,
-                              args.mode_scale)
+    options = (args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale)
+    if args.noise_per_example:
+        return data.noisy_latents_per_example(latents, indices, step, args.seed, scheduler, *options)
+    return data.noisy_latents(latents, scheduler, *options)
 
 
 class JsonLines:
-    """Writes one JSON object per line to a file (or stdout)."""
+    """Writes one JSON object per line to a file (or stdout); under several processes the main one writes."""
 
     def __init__(self, path: str | None) -> None:
-        self.file = open(path, "w") if path else sys.stdout  # noqa: SIM115  (closed by close())
+        main = os.environ.get("RANK", "0") == "0"
+        self.file = (open(path, "w") if path else sys.stdout) if main else None  # noqa: SIM115  (close())
 
     def write(self, **fields: Any) -> None:
-        self.file.write(json.dumps(fields) + "\n")
-        self.file.flush()
+        if self.file is not None:
+            self.file.write(json.dumps(fields) + "\n")
+            self.file.flush()
 
     def close(self) -> None:
-        if self.file is not sys.stdout:
+        if self.file not in (None, sys.stdout):
             self.file.close()
 
 

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         for batch in data:
             with accelerator.accumulate(transformer):
                 latents = tiny.pack(batch["latents"])
-                noisy, timesteps, target, weighting = tiny.noisy_latents(args, scheduler, latents)
+                noisy, timesteps, target, weighting = tiny.noisy_latents(args, scheduler, latents, batch["index"],
+                                                                         step)
                 pred = transformer(hidden_states=noisy, timestep=timesteps / 1000,
                                    encoder_hidden_states=batch["prompt_embeds"],
                                    pooled_projections=batch["pooled_prompt_embeds"], img_ids=img_ids,
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> list[float]:
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
                 step += 1
-                losses.append(loss.item())
+                # as diffusers' scripts log it: the mean over the processes' examples
+                losses.append(accelerator.gather(loss.detach().repeat(args.train_batch_size)).mean().item())
                 out.write(step=step, loss=losses[-1])
                 if step >= args.max_train_steps:
                     break

@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     while step < args.max_train_steps:
         for batch in data:
             with accelerator.accumulate(transformer):
-                noisy, timesteps, target, weighting = tiny.noisy_latents(args, scheduler, batch["latents"])
+                noisy, timesteps, target, weighting = tiny.noisy_latents(args, scheduler, batch["latents"],
+                                                                         batch["index"], step)
                 pred = transformer(hidden_states=noisy, timestep=timesteps,
                                    encoder_hidden_states=batch["prompt_embeds"], return_dict=False)[0]
                 loss = tiny.flow_matching_loss(pred, target, weighting)
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> list[float]:
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
                 step += 1
-                losses.append(loss.item())
+                # as diffusers' scripts log it: the mean over the processes' examples
+                losses.append(accelerator.gather(loss.detach().repeat(args.train_batch_size)).mean().item())
                 out.write(step=step, loss=losses[-1])
                 if step >= args.max_train_steps:
                     break

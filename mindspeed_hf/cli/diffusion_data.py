@@ -31,14 +31,15 @@ def _patterns(classes: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 def dataset(num_examples: int, latent_shape: tuple[int, ...], classes: int = 4, seed: int = DATA_SEED,
             offset: int = 0) -> list[dict[str, torch.Tensor]]:
-    """Rows {latents, prompt_embeds, pooled_prompt_embeds}; `offset` draws other rows of the same prompts (a
+    """Rows {latents, prompt_embeds, pooled_prompt_embeds, index}; `offset` draws other rows of the same prompts (a
     held-out split)."""
     gen = torch.Generator().manual_seed(seed)
     patterns = _patterns(classes, latent_shape, seed)
     prompts = torch.randn(classes, TEXT_TOKENS, TEXT_DIM, generator=gen)
     gen.manual_seed(seed + 1 + offset)
     return [{"latents": patterns[i % classes] + 0.05 * torch.randn(latent_shape, generator=gen),
-             "prompt_embeds": prompts[i % classes], "pooled_prompt_embeds": prompts[i % classes].mean(0)}
+             "prompt_embeds": prompts[i % classes], "pooled_prompt_embeds": prompts[i % classes].mean(0),
+             "index": torch.tensor(i)}
             for i in range(num_examples)]
 
 
@@ -68,6 +69,17 @@ def noisy_latents(latents: torch.Tensor, scheduler: Any, weighting_scheme: str =
     sigmas = scheduler.sigmas.to(latents.device)[indices].float().view(-1, *([1] * (latents.dim() - 1)))
     noisy = (1.0 - sigmas) * latents + sigmas * noise
     return noisy, timesteps, noise - latents, compute_loss_weighting_for_sd3(weighting_scheme, sigmas)
+
+
+def noisy_latents_per_example(latents: torch.Tensor, indices: torch.Tensor, step: int, seed: int, scheduler: Any,
+                              *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`noisy_latents` with each example's noise and timestep drawn from a generator of its own (the seed, the step,
+    the example's index): an example gets the same noise however many processes share the batch - what comparing a
+    run on several processes with one process needs (a script's global RNG gives every process the same stream)."""
+    rows = [noisy_latents(latents[i:i + 1], scheduler, *args,
+                          generator=torch.Generator().manual_seed(seed * 1_000_003 + step * 10_007 + int(index)))
+            for i, index in enumerate(indices)]
+    return tuple(torch.cat(parts) for parts in zip(*rows))
 
 
 def flow_matching_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
-"""Runs examples/custom_loop.py's main() as it is, watched from outside: the loop is the user's, unchanged; this
-worker only records, per rank, the sequence length its attention layers see and how the parameters are placed
-(DTensor placements) once Accelerator.prepare returned, then writes them with the loop's losses as JSON.
+"""Runs an example accelerate loop's main() as it is (examples/custom_loop.py, or --script another, such as the
+diffusion LoRA scripts), watched from outside: the loop is the user's, unchanged; this worker only records, per rank,
+the sequence length its attention layers see and how the parameters are placed (DTensor placements) once
+Accelerator.prepare returned, then writes them with the loop's losses as JSON.
 
-    loop_worker.py --out OUT.json -- <custom_loop.py arguments>
+    loop_worker.py --out OUT.json [--script examples/diffusion/train_text_to_video_lora.py] -- <the loop's arguments>
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -14,24 +16,31 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))
+_script = Path(sys.argv[sys.argv.index("--script") + 1]) if "--script" in sys.argv else REPO / "examples/custom_loop.py"
+sys.path.insert(0, str(_script.resolve().parent))
+_spec = importlib.util.spec_from_file_location(_script.stem, _script)
+loop = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(loop)  # imports mindspeed_hf first, as the script does
 
-import custom_loop  # noqa: E402  (imports mindspeed_hf first, as the script does)
 from accelerate import Accelerator  # noqa: E402
 from torch import nn  # noqa: E402
 
-SEEN: dict[str, object] = {"attention_lengths": set(), "placements": {}}
+SEEN: dict[str, object] = {"attention_lengths": set(), "placements": {}, "dtensor_params": [0, 0]}
 
 
 def _watch(module: nn.Module) -> None:
     for name, param in module.named_parameters():
         placements = getattr(param, "placements", None)
+        SEEN["dtensor_params"][0] += placements is not None
+        SEEN["dtensor_params"][1] += 1
         if name.endswith(("embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "lm_head.weight")) or (
                 "experts" in name and name.endswith("gate_up_proj")):
             SEEN["placements"][name] = [repr(p) for p in placements] if placements else None
     for sub in module.modules():
         if type(sub).__name__.endswith("Attention"):
             sub.register_forward_pre_hook(
-                lambda m, args, kwargs: SEEN["attention_lengths"].add(kwargs["hidden_states"].shape[1]),
+                lambda m, args, kwargs: SEEN["attention_lengths"].add(
+                    (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[1]),
                 with_kwargs=True)
 
 
@@ -47,14 +56,14 @@ def _kills() -> None:
     if os.environ.get("RANK", "0") != "0":
         return
     if after:
-        write = custom_loop.JsonLines.write
+        write = loop.JsonLines.write
 
         def write_then_die(self, **record):
             write(self, **record)
             if record.get("step") == int(after):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        custom_loop.JsonLines.write = write_then_die
+        loop.JsonLines.write = write_then_die
     if in_save:
         finish = state.finish
 
@@ -82,13 +91,14 @@ def main() -> None:
 
     Accelerator.prepare = watched
     _kills()
-    sys.argv = ["custom_loop.py", *loop_args, "--losses_file", str(losses)]
-    custom_loop.main()
+    sys.argv = [_script.name, *loop_args, "--losses_file", str(losses)]
+    loop.main()
     rank = int(os.environ.get("RANK", "0"))
-    record = {"attention_lengths": sorted(SEEN["attention_lengths"]), "placements": SEEN["placements"]}
+    record = {"attention_lengths": sorted(SEEN["attention_lengths"]), "placements": SEEN["placements"],
+              "dtensor_params": SEEN["dtensor_params"]}
     Path(f"{out}.rank{rank}").write_text(json.dumps(record))
     if rank == 0:
-        steps = [json.loads(line) for line in losses.read_text().splitlines()]
+        steps = [r for r in map(json.loads, losses.read_text().splitlines()) if "loss" in r]
         out.write_text(json.dumps({"losses": [s["loss"] for s in steps], "steps": [s["step"] for s in steps]}))
 
 
