@@ -104,6 +104,21 @@ def logits_plan(model: torch.nn.Module, lm_head: torch.nn.Module, labels: torch.
     return "defer" if lazy_logits.can_defer(lm_head) else "full"
 
 
+def tuple_requested(signature: inspect.Signature, arguments: dict, config) -> bool:
+    """Whether a head's caller asked for HF's tuple output, however the release takes the switch: a named
+    `return_dict` (4.57), `return_dict` in **kwargs (5.x: `can_return_tuple` pops it), or none given and
+    `config.return_dict` False. The bound call (`arguments`, HF's forward bound by name) is set up to return a
+    ModelOutput, which the head turns into HF's tuple (`ModelOutput.to_tuple()`) when this is True."""
+    named = "return_dict" in signature.parameters
+    holder = arguments if named else arguments.get("kwargs", {})
+    value = holder.get("return_dict")
+    if value is None:
+        value = getattr(config, "return_dict", True)
+    if value is False:  # passed explicitly: overrides a False config.return_dict too
+        (arguments if named else arguments.setdefault("kwargs", {}))["return_dict"] = True
+    return value is False
+
+
 def _load_balancing_loss_func(model: torch.nn.Module):
     """The family's own `load_balancing_loss_func`, looked up in the modeling module of the model's class
     (or of the first base class that has one, for user subclasses)."""

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from . import scope
-from .causal_lm import SkippedLogits, logits_plan
+from .causal_lm import SkippedLogits, logits_plan, tuple_requested
 from .lazy_logits import deferred_logits
 
 OP = "fused_linear_cross_entropy"
@@ -104,13 +104,7 @@ def _split(signature: inspect.Signature, self: nn.Module, args: tuple, kwargs: d
     arguments = bound.arguments
     if "labels" in signature.parameters:
         labels = arguments.pop("labels", None)
-    extra = arguments.get("kwargs", {})
-    if "return_dict" in signature.parameters:  # transformers 4.57
-        as_tuple = arguments.get("return_dict") is False
-        arguments["return_dict"] = True
-    else:
-        as_tuple = extra.pop("return_dict", None) is False
-    return bound, labels, loss_kwargs, as_tuple
+    return bound, labels, loss_kwargs, tuple_requested(signature, arguments, self.config)
 
 
 def _rebuilt(outputs: Any, **fields: Any) -> Any:
