@@ -165,7 +165,9 @@ def _npu_unsupported(query, key, value, mask, softcap, kwargs) -> str | None:
     if any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
         return "attention biases or sinks"
     if mask is not None and mask.dim() != 2:
-        return "a materialised 4-D mask (cached decoding, or a custom mask pattern)"
+        if q_len != kv_len:
+            return "a materialised 4-D mask with queries shorter than keys (cached decoding)"
+        return "a materialised 4-D mask that is not block-diagonal causal (a custom pattern or an additive bias)"
     if query.dtype not in _NPU_DTYPES or not (query.dtype == key.dtype == value.dtype):
         return "these dtypes (q, k, v must share fp16, bf16 or fp32)"
     if dim > _NPU_MAX_HEAD_DIM or key.shape[-1] != dim or value.shape[-1] > dim:
@@ -210,16 +212,31 @@ def _varlen_for(mask, kwargs) -> varlen.VarlenInfo:
     return varlen.varlen_info(mask, "sequence_ids")
 
 
+def _block_causal(mask, query, key) -> varlen.VarlenInfo | None:
+    """The documents of a materialised 4-D mask that is block-diagonal causal over this call's [B, S] (LLaMA-Factory's
+    neat_packing mask, ...), read once per mask (varlen.block_causal_info); None for anything else."""
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] == query.shape[0]
+            and mask.shape[-1] == key.shape[2] == query.shape[2] == mask.shape[-2]):
+        return None
+    return varlen.varlen_info(mask, "block_causal")
+
+
 @register("attention", "npu", name="npu:npu_fusion_attention")
 def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                   softcap=None, **kwargs):
-    """npu_fusion_attention: BSND + compressed causal mask, or TND for padded / packed batches."""
+    """npu_fusion_attention: BSND + compressed causal mask, or TND for padded / packed batches (packed: HF's
+    sequence ids, the collator's cu_seq_lens, or a block-diagonal causal 4-D mask)."""
     mask = attention_mask
     is_causal = _is_causal(module, kwargs)
+    blocks = _block_causal(mask, query, key)
+    if blocks is not None:
+        # The mask is the whole pattern (SDPA applies no causal flag or window beside a mask): causal documents.
+        mask, is_causal, sliding_window = None, True, None
     reason = _npu_unsupported(query, key, value, mask, softcap, kwargs)
-    info = None
+    info = blocks
     if reason is None and mask is not None:
         info = _varlen_for(mask, kwargs)
+    if reason is None and info is not None:
         if info.is_dense(query.shape[0]):
             # One whole sequence per row, e.g. the sequence ids that transformers 4.57 hands over for every batch
             # without an attention mask (compat.UNPACKED_BATCHES_GET_SEQUENCE_IDS): the plain dense call below.
@@ -228,7 +245,9 @@ def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scalin
             reason = "a sliding window over padding with holes"
     if reason is not None:
         warn_fallback_once(reason)
-        if mask is None or mask.dim() == 2:  # compact (ours): the SDPA mask it stands for
+        if blocks is not None:  # the caller's own 4-D mask, as given
+            mask = attention_mask
+        elif mask is None or mask.dim() == 2:  # compact (ours): the SDPA mask it stands for
             mask = _expand_compact_mask(mask, query, key, sliding_window, is_causal)
         return _reference(module, query, key, value, mask, dropout, scaling, softcap, kwargs)
 
@@ -254,6 +273,30 @@ def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scalin
 # --------------------------------------------------------------------------------------------- public entries
 
 
+def _packed_from_boundaries(module, query, key, kwargs) -> torch.Tensor | None:
+    """HF's packed-sequence ids for a causal batch whose documents are told only by the collator's `cu_seq_lens_q`
+    (DataCollatorWithFlattening without position ids, a framework's padding-free collator: what flash attention
+    reads; HF's mask code sees no packing then), so every backend keeps the documents apart; None when there are no
+    such boundaries or they do not cover this call's [B, S] tokens (read once per step, varlen's cache)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if (not isinstance(cu_q, torch.Tensor) or not _is_causal(module, kwargs) or query.shape[2] != key.shape[2]
+            or (cu_k is not None and cu_k is not cu_q and not isinstance(cu_k, torch.Tensor))):
+        return None
+    batch, seq = query.shape[0], query.shape[2]
+    info = varlen.varlen_info(cu_q, "cu_seqlens")
+    ends = set(info.cu_seqlens)
+    if (info.total != batch * seq or len(ends) <= batch  # not this call's tokens, or nothing packed
+            or any(row * seq not in ends for row in range(1, batch))):  # a document across rows
+        return None
+    if isinstance(cu_k, torch.Tensor) and cu_k is not cu_q and varlen.varlen_info(cu_k, "cu_seqlens") != info:
+        return None
+    ids = varlen.sequence_ids(info.cu_seqlens, batch, str(query.device))
+    _packed_ids[id(ids)] = ids
+    while len(_packed_ids) > _PACKED_KEEP:
+        _packed_ids.popitem(last=False)
+    return ids
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -267,6 +310,8 @@ def attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """HF AttentionInterface function: q [B,Nq,S,D], k/v [B,Nkv,S,D] -> ([B,S,Nq,D], weights or None)."""
+    if attention_mask is None:
+        attention_mask = _packed_from_boundaries(module, query, key, kwargs)
     return run("attention", query.device)(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
         sliding_window=sliding_window, softcap=softcap, **kwargs,
