@@ -59,7 +59,9 @@ class Detected:
     name: str | None  # "LLaMA-Factory", "ms-swift", "axolotl", "TRL", or None (plain transformers.Trainer)
     version: str | None = None
     conflicts: list[str] = field(default_factory=list)  # kernels of theirs that replaced ours on this model
-    notes: list[str] = field(default_factory=list)  # what of ours does not run there, and why
+    # what of its options changes what of ours runs (packing names); whether a kernel ran is said after train(),
+    # from the counters (report()["ran"]), never guessed here from which methods the trainer overrides
+    notes: list[str] = field(default_factory=list)
 
 
 def _root(module_name: str | None) -> str:
@@ -139,21 +141,6 @@ def foreign_kernels(model: Any) -> dict[str, set[str]]:
     return found
 
 
-def _loss_notes(trainer: Any, name: str | None) -> list[str]:
-    """Where the framework computes the loss itself, so our fused loss (which needs Trainer.compute_loss) does not
-    run; said for the trainers known to do so."""
-    notes = []
-    if name == "ms-swift":
-        from transformers import Trainer
-
-        if type(trainer).compute_loss is not Trainer.compute_loss:
-            notes.append("the fused loss does not run: ms-swift's compute_loss calls the model itself and reads "
-                         "outputs.logits for its token accuracy (the backbone kernels still run)")
-    if name == "LLaMA-Factory" and getattr(getattr(trainer, "finetuning_args", None), "use_asft_loss", False):
-        notes.append("the fused loss does not run: use_asft_loss computes the loss from the logits")
-    return notes
-
-
 def _packing_notes(trainer: Any, name: str | None, model: Any) -> list[str]:
     """Packing / padding-free modes that key on the attention implementation's name."""
     notes = []
@@ -171,7 +158,7 @@ def _packing_notes(trainer: Any, name: str | None, model: Any) -> list[str]:
 
 def detect(trainer: Any, model: Any = None) -> Detected:
     """The framework driving `trainer`, the kernels of other packages found on its model that replaced ours
-    (each named with the setting that turns it off), and what of ours does not run there."""
+    (each named with the setting that turns it off), and the framework options that choose another attention."""
     name, version = framework_of(trainer)
     model = model if model is not None else getattr(trainer, "model", None)
     found = Detected(name, version)
@@ -182,7 +169,6 @@ def detect(trainer: Any, model: Any = None) -> Detected:
         shown = ", ".join(sorted(parts)[:4]) + (f" (+{len(parts) - 4})" if len(parts) > 4 else "")
         found.conflicts.append(f"{family} replaced mindspeed_hf's kernels on {shown}"
                                + (f" (turn off: {switch})" if switch else ""))
-    found.notes.extend(_loss_notes(trainer, name))
     found.notes.extend(_packing_notes(trainer, name, model))
     return found
 

@@ -75,7 +75,7 @@ def test_peft_wrapper_is_looked_through():
     assert "Liger" in frameworks.foreign_kernels(wrapper)
 
 
-def test_swift_compute_loss_note():
+def test_swift_compute_loss_is_no_note():
     from transformers import Trainer
 
     swift_cls = type("Seq2SeqTrainer", (Trainer,), {"__module__": "swift.trainers.seq2seq_trainer",
@@ -84,7 +84,9 @@ def test_swift_compute_loss_note():
     trainer.model = _Model(nn.Linear(2, 2))
     trainer.args = types.SimpleNamespace(use_liger_kernel=False)
     found = frameworks.detect(trainer)
-    assert found.name == "ms-swift" and any("fused loss does not run" in n for n in found.notes)
+    # whether the fused loss runs is read from the counters after train(), not guessed from an overridden
+    # compute_loss (ms-swift's calls the model with labels: the fused loss runs there, tests/frameworks/test_swift)
+    assert found.name == "ms-swift" and found.notes == []
 
 
 def test_log_once_warns_on_conflict_and_says_it_once(caplog):
