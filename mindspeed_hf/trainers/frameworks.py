@@ -141,6 +141,31 @@ def foreign_kernels(model: Any) -> dict[str, set[str]]:
     return found
 
 
+def _code_package(fn: Any) -> str | None:
+    """The top-level package whose file defines `fn`'s code (a functools.wraps wrapper copies the wrapped function's
+    __module__, so its own code is what tells who wrote it)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return None
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) == code.co_filename:
+            return _root(module.__name__)
+    return None
+
+
+def head_notes(model: Any) -> list[str]:
+    """A loss head another package installed on the model instance: TRL's chunked LM head (trl 1.15+
+    `add_fused_lm_head`, used by its SFT, DPO, KTO, GRPO and RLOO trainers) scores the tokens with its own tiles, so
+    our fused loss stays out of it (its tiles are TRL's math, not a kernel of ours) while the backbone kernels run
+    under it."""
+    hf_model = _unwrap(model)
+    forward = vars(hf_model).get("forward") if hasattr(hf_model, "__dict__") else None
+    if forward is not None and _code_package(forward) == "trl":
+        return ["TRL computes the loss with its own chunked LM head (trl add_fused_lm_head): mindspeed_hf's fused "
+                "loss stays out of it, the backbone kernels run under it"]
+    return []
+
+
 def _packing_notes(trainer: Any, name: str | None, model: Any) -> list[str]:
     """Packing / padding-free modes that key on the attention implementation's name."""
     notes = []
@@ -169,6 +194,7 @@ def detect(trainer: Any, model: Any = None) -> Detected:
         shown = ", ".join(sorted(parts)[:4]) + (f" (+{len(parts) - 4})" if len(parts) > 4 else "")
         found.conflicts.append(f"{family} replaced mindspeed_hf's kernels on {shown}"
                                + (f" (turn off: {switch})" if switch else ""))
+    found.notes.extend(head_notes(model))
     found.notes.extend(_packing_notes(trainer, name, model))
     return found
 

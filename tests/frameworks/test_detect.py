@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 from torch import nn
 
 from mindspeed_hf.trainers import frameworks
@@ -100,3 +101,19 @@ def test_log_once_warns_on_conflict_and_says_it_once(caplog):
         assert frameworks.log_once(trainer, logger) is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "Liger" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_trl_fused_head_is_named_as_what_computes_the_loss():
+    """TRL's chunked LM head (trl add_fused_lm_head, installed on the model instance after Trainer.__init__) is
+    found by the code it runs, and named as what computes the loss instead of our fused loss."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    if not hasattr(trl_utils, "add_fused_lm_head"):
+        pytest.skip("TRL's fused LM head was added in trl 1.15.0")
+    from tiny_models import tiny_model
+
+    model = tiny_model("qwen3")
+    assert frameworks.head_notes(model) == []
+    trl_utils.add_fused_lm_head(model)
+    notes = frameworks.head_notes(model)
+    assert len(notes) == 1 and "TRL computes the loss with its own chunked LM head" in notes[0]
+    assert frameworks.detect(_trainer("trl.trainer.sft_trainer", model)).notes == notes
