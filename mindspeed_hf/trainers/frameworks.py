@@ -42,6 +42,12 @@ KERNEL_PACKAGES: dict[str, str] = {
     "axolotl": "axolotl kernels",
 }
 
+# transformers' own hub kernels (from_pretrained(use_kernels=...), KernelConfig; on by default in transformers >= 5.25
+# wherever the `kernels` package is installed): `kernelize` gives a module an instance forward from a hub repository
+HUB_KERNELS = "transformers hub kernels"
+HUB_SWITCH = ("use_kernels=False in from_pretrained (or USE_HUB_KERNELS=NO) for ours, or kernels.<op>: false to leave "
+              "those layers to the hub kernels")
+
 # (framework, kernel family) -> the setting that turns it off, as the framework spells it
 SWITCHES: dict[tuple[str, str], str] = {
     ("LLaMA-Factory", "Liger"): "enable_liger_kernel: false",
@@ -129,6 +135,10 @@ def foreign_kernels(model: Any) -> dict[str, set[str]]:
     for module in modules:
         cls = type(module)
         kind = cls.__name__
+        repo = vars(module).get("_kernel_repo") if "forward" in vars(module) else None
+        if repo is not None:  # transformers' hub kernels (use_kernels, KernelConfig): kernelize's instance forward
+            found.setdefault(HUB_KERNELS, set()).add(f"{kind}.forward ({getattr(repo, 'repo_id', repo)})")
+            continue
         note(cls.__module__, kind)
         note(_function_module(vars(module).get("forward", cls.forward)), f"{kind}.forward")
         for hook in ("apply_qkv", "apply_o"):  # axolotl's LoRA attention kernels (instance methods)
@@ -188,7 +198,7 @@ def detect(trainer: Any, model: Any = None) -> Detected:
     model = model if model is not None else getattr(trainer, "model", None)
     found = Detected(name, version)
     for family, parts in sorted(foreign_kernels(model).items()):
-        switch = SWITCHES.get((name, family)) if name else None
+        switch = HUB_SWITCH if family == HUB_KERNELS else SWITCHES.get((name, family)) if name else None
         if family == "Liger" and switch is None and getattr(getattr(trainer, "args", None), "use_liger_kernel", False):
             switch = "use_liger_kernel=False"
         shown = ", ".join(sorted(parts)[:4]) + (f" (+{len(parts) - 4})" if len(parts) > 4 else "")
@@ -212,11 +222,34 @@ def describe(trainer: Any, model: Any = None) -> str | None:
     return f"mindspeed_hf: running under {who}; " + "; ".join(parts)
 
 
+def check_sequence_parallel(trainer: Any, model: Any = None) -> None:
+    """Refuse, in one line before any work, accelerate's DeepSpeed Ulysses sequence parallelism
+    (`parallelism_config.sp_size > 1`) on a model whose attention is ours: DeepSpeed wraps the attention named by
+    `sp_attn_implementation` (sdpa or a flash name) and refuses a model configured with another one (a ValueError
+    at accelerator.prepare, deep in the first train() call)."""
+    pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    if pc is None or not getattr(pc, "sp_enabled", False):
+        return
+    from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS
+
+    model = model if model is not None else getattr(trainer, "model", None)
+    attention = compat.attn_implementation(getattr(_unwrap(model), "config", None))
+    if attention == ATTENTION_NAME or attention in OUR_ATTENTIONS:
+        raise ValueError(
+            f"parallelism_config.sp_size={pc.sp_size} (accelerate's {pc.sp_backend} Ulysses sequence parallelism) "
+            f"wraps the attention its sp_attn_implementation names (sdpa or flash), but this model runs "
+            f"mindspeed_hf's attention ({attention!r}): build it with attn_implementation='sdpa' (mindspeed_hf's "
+            "other kernels still apply) or set kernels.attention: false (MINDSPEED_HF_KERNELS_ATTENTION=false); "
+            "mindspeed_hf's own sequence parallelism is parallel.cp (Ulysses / ring, MINDSPEED_HF_PARALLEL_CP)")
+
+
 def log_once(trainer: Any, logger: Any, model: Any = None) -> str | None:
-    """The one call for the Trainer wiring (after Trainer.__init__): `describe` logged once per trainer, as a
-    warning when another package's kernels replaced ours, else at info. Returns the line (None: nothing said)."""
+    """The one call for the Trainer wiring (after Trainer.__init__): an overlap that cannot run refused
+    (check_sequence_parallel), then `describe` logged once per trainer, as a warning when another package's kernels
+    replaced ours, else at info. Returns the line (None: nothing said)."""
     if getattr(trainer, "_mindspeed_framework_logged", False):
         return None
+    check_sequence_parallel(trainer, model)
     found = detect(trainer, model)
     line = describe(trainer, model)
     try:

@@ -117,3 +117,39 @@ def test_trl_fused_head_is_named_as_what_computes_the_loss():
     notes = frameworks.head_notes(model)
     assert len(notes) == 1 and "TRL computes the loss with its own chunked LM head" in notes[0]
     assert frameworks.detect(_trainer("trl.trainer.sft_trainer", model)).notes == notes
+
+
+def test_transformers_hub_kernels_are_named_with_their_switch():
+    """transformers' hub kernels (from_pretrained(use_kernels=...), on by default in 5.25 where the `kernels` package
+    is installed) give a layer an instance forward from a hub repository (kernelize: `module.forward` and
+    `module._kernel_repo`); the layers where that replaced ours are named, once per class, with the switches."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("qwen3")
+    for norm in (model.model.norm, model.model.layers[0].input_layernorm):  # what kernelize leaves on a layer
+        norm.forward = types.MethodType(lambda self, x: x, norm)
+        norm.__dict__["_kernel_repo"] = types.SimpleNamespace(repo_id="kernels-community/liger_kernels")
+    found = frameworks.detect(_trainer("transformers.trainer", model))
+    assert found.conflicts == [f"{frameworks.HUB_KERNELS} replaced mindspeed_hf's kernels on Qwen3RMSNorm.forward "
+                               f"(kernels-community/liger_kernels) (turn off: {frameworks.HUB_SWITCH})"]
+
+
+def test_accelerate_sequence_parallel_refused_on_our_attention():
+    """accelerate's DeepSpeed Ulysses sequence parallelism wraps the attention named by sp_attn_implementation and
+    DeepSpeed refuses a model configured with another (at accelerator.prepare): refused in one line when the trainer
+    is built, naming both ways out; a model kept on sdpa goes on."""
+    from tiny_models import tiny_model
+
+    parallelism = types.SimpleNamespace(sp_size=2, sp_backend="deepspeed", sp_enabled=True)
+    model = tiny_model("qwen3")
+    model.config._attn_implementation = "mindspeed"
+    trainer = _trainer("transformers.trainer", model)
+    trainer.accelerator = types.SimpleNamespace(parallelism_config=parallelism)
+    with pytest.raises(ValueError, match=r"parallelism_config.sp_size=2 .* runs mindspeed_hf's attention "
+                                         r"\('mindspeed'\): build it with attn_implementation='sdpa'"):
+        frameworks.check_sequence_parallel(trainer)
+    model.config._attn_implementation = "sdpa"
+    frameworks.check_sequence_parallel(trainer)
+    parallelism.sp_enabled = False
+    model.config._attn_implementation = "mindspeed"
+    frameworks.check_sequence_parallel(trainer)
