@@ -3,7 +3,8 @@
 switched off (the [tokens, vocabulary] logits then built on first read every step, as before).
 
 A tiny Qwen3 (2 layers, hidden 64) with a 151936-entry vocabulary (Qwen's), untied, fp32 on the CPU, rows of about
-`--seq` tokens (the shipped word-level tokenizer), batch `--batch`, `--steps` steps. Each run is its own process tree;
+`--seq` tokens (a 16-word prompt and a long answer, the shipped word-level tokenizer: ms-swift keeps the logits of the
+answer positions only), batch `--batch`, `--steps` steps. Each run is its own process tree;
 peak memory is the resident high-water mark of the `swift sft` processes (RUSAGE_CHILDREN of a launcher that runs
 only that command), so it includes the interpreter and imports. Losses and token accuracies per step from its
 logging.jsonl.
@@ -50,23 +51,22 @@ from pathlib import Path
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 out = Path({str(tmp)!r})
 make_tiny.make_model(out)  # the tokenizer and config layout
-sizes = {{"vocab_size": {args.vocab}, "max_position_embeddings": {2 * args.seq}}}
+sizes = {{"vocab_size": {args.vocab}, "max_position_embeddings": {args.seq}}}
 config = AutoConfig.for_model(**{{**make_tiny.CONFIG, **sizes}})
 torch.manual_seed(0)
 AutoModelForCausalLM.from_config(config).float().save_pretrained(out / "model")
 tokenizer = AutoTokenizer.from_pretrained(out / "model")
-tokenizer.model_max_length = {2 * args.seq}
+tokenizer.model_max_length = {args.seq}
 tokenizer.save_pretrained(out / "model")
 print(sorted(w for w in tokenizer.get_vocab() if w.isalpha()))
 """
     done = subprocess.run([args.python, "-c", script], capture_output=True, text=True, check=True)
     words = json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
     rng = random.Random(1)
-    half = args.seq // 2 - 8
     data = tmp / "rows.jsonl"
-    with open(data, "w") as f:
+    with open(data, "w") as f:  # a short prompt and a long answer: ms-swift keeps logits for the answer only
         for _ in range(args.batch * args.steps):
-            user, answer = (" ".join(rng.choice(words) for _ in range(half)) for _ in range(2))
+            user, answer = (" ".join(rng.choice(words) for _ in range(n)) for n in (16, args.seq - 32))
             f.write(json.dumps({"messages": [{"role": "user", "content": user},
                                              {"role": "assistant", "content": answer}]}) + "\n")
     return tmp / "model", data
@@ -88,7 +88,7 @@ def _run(variant: str, model: Path, data: Path, tmp: Path, args) -> dict:
     swift = str(Path(args.python).with_name("swift"))
     cmd = [swift, "sft", "--model", str(model), "--model_type", "qwen3", "--template", "qwen3_nothinking",
            "--use_hf", "true", "--dataset", str(data), "--split_dataset_ratio", "0", "--tuner_type", "full",
-           "--torch_dtype", "float32", "--max_length", str(2 * args.seq), "--max_steps", str(args.steps),
+           "--torch_dtype", "float32", "--max_length", str(args.seq), "--max_steps", str(args.steps),
            "--per_device_train_batch_size", str(args.batch), "--learning_rate", "1e-4", "--lr_scheduler_type",
            "constant", "--warmup_ratio", "0", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
            "--seed", "0", "--data_seed", "0", "--dataset_num_proc", "1", "--dataloader_num_workers", "0",
@@ -106,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python", required=True, help="the python of an environment with ms-swift installed")
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=768)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=None)
@@ -120,8 +120,8 @@ def main() -> None:
     base = runs[VARIANTS[0]]
     lines = [f"# ms-swift {version} `swift sft`: peak memory with and without the fused loss's top-1 reading (CPU, "
              "fp32)", "", f"Tiny Qwen3 (2 layers, hidden 64), vocabulary {args.vocab} (untied), rows of about "
-             f"{args.seq} tokens, batch {args.batch}, {args.steps} steps, one thread; peak = resident high-water mark "
-             "of the swift process tree (interpreter and imports included).", "",
+             f"{args.seq} tokens (a 16-token prompt), batch {args.batch}, {args.steps} steps, one thread; peak = "
+             "resident high-water mark of the swift process tree (interpreter and imports included).", "",
              "| run | peak memory (MB) | / plain | losses | token_acc |", "|---|---|---|---|---|"]
     for variant in VARIANTS:
         r = runs[variant]

@@ -1,7 +1,7 @@
 """HF's output switches on every head we replace: a labelled training forward with `return_dict=False` (a named
 argument on 4.57, taken through **kwargs by transformers 5.x's `can_return_tuple`: Qwen3.5, the Omni thinkers,
 Qwen2-VL ...) returns HF's tuple, element for element the plain model's (loss first, then the logits, made from the
-fused pass's hidden states), while the fused loss runs. Before the fix the VLM / Omni heads raised
+fused pass's hidden states; the hidden states asked for with output_hidden_states), while the fused loss runs. Before the fix the VLM / Omni heads raised
 `AttributeError: 'tuple' object has no attribute 'logits'`."""
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ def _assert_same(expected, actual, where: str = "") -> None:
 def test_return_dict_false_gives_hf_tuple(model_type):
     model, batch = _build(model_type)
     model.train()
+    switches = {"return_dict": False, "output_hidden_states": True}  # the other output switches pass through
     torch.manual_seed(0)
-    expected = model(**batch, return_dict=False)
+    expected = model(**batch, **switches)
     mindspeed_hf.enable()
     mindspeed_hf.apply_to_model(model)
     torch.manual_seed(0)
-    actual = model(**batch, return_dict=False)
+    actual = model(**batch, **switches)
     _assert_same(expected, actual)
     assert mindspeed_hf.report(model)["ran"]["fused_linear_cross_entropy"] == 1
