@@ -273,6 +273,13 @@ def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scalin
 # --------------------------------------------------------------------------------------------- public entries
 
 
+def _plain_causal(mask, query, key) -> bool:
+    """A materialised 4-D mask that is plain causal, one whole sequence per row (transformers 4.57 builds one for a
+    batch without padding where 5.x leaves the mask out), read once per mask."""
+    info = _block_causal(mask, query, key)
+    return info is not None and info.is_dense(query.shape[0])
+
+
 def _packed_from_boundaries(module, query, key, kwargs) -> torch.Tensor | None:
     """HF's packed-sequence ids for a causal batch whose documents are told only by the collator's `cu_seq_lens_q`
     (DataCollatorWithFlattening without position ids, a framework's padding-free collator: what flash attention
@@ -310,8 +317,9 @@ def attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """HF AttentionInterface function: q [B,Nq,S,D], k/v [B,Nkv,S,D] -> ([B,S,Nq,D], weights or None)."""
-    if attention_mask is None:
-        attention_mask = _packed_from_boundaries(module, query, key, kwargs)
+    if attention_mask is None or _plain_causal(attention_mask, query, key):
+        packed = _packed_from_boundaries(module, query, key, kwargs)
+        attention_mask = attention_mask if packed is None else packed
     return run("attention", query.device)(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
         sliding_window=sliding_window, softcap=softcap, **kwargs,

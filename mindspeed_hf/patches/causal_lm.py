@@ -34,6 +34,7 @@ patched before TRL wrapped the instance, HF's otherwise. Both keep working (test
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from collections.abc import Callable
@@ -117,6 +118,19 @@ def tuple_requested(signature: inspect.Signature, arguments: dict, config) -> bo
     if value is False:  # passed explicitly: overrides a False config.return_dict too
         (arguments if named else arguments.setdefault("kwargs", {}))["return_dict"] = True
     return value is False
+
+
+def rebuilt(outputs, **fields):
+    """`outputs` (a ModelOutput) with `fields` replaced, its keys in HF's order: the replaced fields first, then the
+    order HF's own object had (transformers 4.57's capture decorator adds the hidden states after the output is
+    built, so its `to_tuple()` is not the dataclass order). Rebuilt, not assigned: a ModelOutput keeps a None field
+    out of its dict, so an assigned `loss` would come last."""
+    values = {field.name: getattr(outputs, field.name) for field in dataclasses.fields(outputs)}
+    result = type(outputs)(**{**values, **fields})
+    for key in [*fields, *outputs.keys()]:
+        if key in result:
+            result.move_to_end(key)
+    return result
 
 
 def _load_balancing_loss_func(model: torch.nn.Module):

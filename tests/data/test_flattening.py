@@ -32,12 +32,18 @@ AUDIO_IN_VIDEO = "audio_in_video"  # the Omni rows' videos with their audio trac
 # padded rows through plain HF are the reference here as for every family.
 _NO_QWEN3_5 = pytest.mark.skipif(not hasattr(__import__("transformers"), "Qwen3_5ForConditionalGeneration"),
                                  reason="no Qwen3.5 in this transformers release")
+# Qwen3-Omni's own padded forward with videos fails on transformers 4.57.6 (its deepstack features do not fit the
+# video mask: a shape error inside HF, plain HF alone): the video cases run from transformers 5 on.
+_OMNI_VIDEOS = pytest.mark.skipif(not hasattr(__import__("transformers"), "Qwen3_5ForConditionalGeneration"),
+                                  reason="Qwen3-Omni's padded video forward fails in transformers 4.57 itself")
 CASES = [("qwen2_vl", True), ("qwen2_5_vl", False), ("qwen2_5_vl", True), ("qwen3_vl", False), ("qwen3_vl", True),
          ("qwen3_vl_moe", True), pytest.param("qwen3_5", False, marks=_NO_QWEN3_5),
          pytest.param("qwen3_5", True, marks=_NO_QWEN3_5), pytest.param("qwen3_5_moe", True, marks=_NO_QWEN3_5),
          # the Omni thinkers: rows with audio clips and images, audio only, images only, neither; then with videos
          # (Qwen3-Omni's temporal positions are fractional), and videos carrying their own audio track
-         *((model_type, videos) for model_type in OMNI_TYPES for videos in (False, True, AUDIO_IN_VIDEO))]
+         *((model_type, False) for model_type in OMNI_TYPES),
+         *(pytest.param(model_type, videos, marks=_OMNI_VIDEOS) for model_type in OMNI_TYPES
+           for videos in (True, AUDIO_IN_VIDEO))]
 _models: dict[str, torch.nn.Module] = {}
 _references: dict[tuple[str, bool], dict] = {}
 

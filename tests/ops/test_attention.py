@@ -449,8 +449,10 @@ def test_block_causal_recognised_exactly():
     assert varlen.block_causal_info(biased) is None
 
 
-def test_npu_other_4d_masks_fall_back_saying_why(caplog):
+def test_npu_other_4d_masks_fall_back_saying_why(caplog, monkeypatch):
     from mindspeed_hf.ops import registry
+
+    monkeypatch.setattr(attention, "_warned", set())  # said once per process: an earlier test may have said it
 
     registry.set_backend("npu")
     qkv = _qkv(1, 9)
