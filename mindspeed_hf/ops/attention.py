@@ -317,7 +317,8 @@ def attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """HF AttentionInterface function: q [B,Nq,S,D], k/v [B,Nkv,S,D] -> ([B,S,Nq,D], weights or None)."""
-    if attention_mask is None or _plain_causal(attention_mask, query, key):
+    if attention_mask is None or (isinstance(kwargs.get("cu_seq_lens_q"), torch.Tensor)
+                                  and _plain_causal(attention_mask, query, key)):
         packed = _packed_from_boundaries(module, query, key, kwargs)
         attention_mask = attention_mask if packed is None else packed
     return run("attention", query.device)(
