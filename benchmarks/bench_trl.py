@@ -1,11 +1,12 @@
 """TRL's SFTTrainer and DPOTrainer (trl >= 1.15: the loss from TRL's own chunked LM head, add_fused_lm_head), plain
 TRL vs TRL with `import mindspeed_hf`: peak memory, step time, the per-step losses and every metric TRL logs.
 
-Model: Qwen3 architecture, `--layers` layers, hidden `--hidden`, vocabulary `--vocab` (untied lm_head), fp32 on the
-CPU; rows of `--seq` tokens (prompt and completion halves; DPO: a prompt with a chosen and a rejected completion)
-from the shipped word-level tokenizer; `--batch` rows per step, `--steps` steps, each trainer with its own defaults
-(TRL's gradient checkpointing on: mindspeed_hf applies it as its full recompute). Each variant runs in its own
-process (MINDSPEED_HF_AUTO=0 / 1, one thread), the pairs alternating. Peak memory is the process's resident
+Model: Qwen3 architecture, `--layers` layers, hidden `--hidden`, vocabulary `--vocab` (untied lm_head), fp32
+weights (TRL's configs default to bf16 autocast); rows of `--seq` tokens (prompt and completion halves; DPO: a prompt
+with a chosen and a rejected completion) from the shipped word-level tokenizer; `--batch` rows per step, `--steps`
+steps, each trainer with its own defaults (TRL's gradient checkpointing on: mindspeed_hf applies it as its full
+recompute). Each variant runs in its own process (MINDSPEED_HF_AUTO=0 / 1, one thread), the pairs alternating.
+Peak memory is the process's resident
 high-water mark (ru_maxrss: start-up and imports included, so mindspeed_hf's own import shows there) on CPU, with
 the resident set's growth while training (sampled every 2 ms from the trainer built) beside it; torch's peak
 allocation on a GPU / NPU.
@@ -174,7 +175,8 @@ def main() -> None:
 
     lines = [f"# TRL {trl.__version__} trainers, plain vs `import mindspeed_hf`: Qwen3 architecture, {args.layers} "
              f"layers, hidden {args.hidden}, vocabulary {args.vocab} (untied), rows of {args.seq} tokens, batch "
-             f"{args.batch}, {args.steps} steps, fp32, {args.device or 'default device'}, one thread; {args.repeats} "
+             f"{args.batch}, {args.steps} steps, fp32 weights under TRL's default bf16 autocast, "
+             f"{args.device or 'default device'}, one thread; {args.repeats} "
              "alternating process pairs", ""]
     for trainer in (("sft", "dpo") if args.trainer == "both" else (args.trainer,)):
         order = (("plain TRL", "0"), ("TRL + mindspeed_hf", "1"))
