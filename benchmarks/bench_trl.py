@@ -6,10 +6,9 @@ weights (TRL's configs default to bf16 autocast); rows of `--seq` tokens (prompt
 with a chosen and a rejected completion) from the shipped word-level tokenizer; `--batch` rows per step, `--steps`
 steps, each trainer with its own defaults (TRL's gradient checkpointing on: mindspeed_hf applies it as its full
 recompute). Each variant runs in its own process (MINDSPEED_HF_AUTO=0 / 1, one thread), the pairs alternating.
-Peak memory is the process's resident
-high-water mark (ru_maxrss: start-up and imports included, so mindspeed_hf's own import shows there) on CPU, with
-the resident set's growth while training (sampled every 2 ms from the trainer built) beside it; torch's peak
-allocation on a GPU / NPU.
+Peak memory is the process's resident high-water mark (ru_maxrss: start-up and imports included, so mindspeed_hf's
+own import shows there) on CPU, with the resident set's growth while training (sampled every 2 ms from the trainer
+built) beside it; torch's peak allocation on a GPU / NPU.
 
     python benchmarks/bench_trl.py [--trainer sft|dpo|both] [--repeats 2] [--out benchmarks/results/trl_cpu.md]
 
