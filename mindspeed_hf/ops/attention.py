@@ -213,12 +213,8 @@ def _varlen_for(mask, kwargs) -> varlen.VarlenInfo:
 
 
 def _block_causal(mask, query, key) -> varlen.VarlenInfo | None:
-    """The documents of a materialised 4-D mask that is block-diagonal causal over this call's [B, S] (LLaMA-Factory's
-    neat_packing mask, ...), read once per mask (varlen.block_causal_info); None for anything else."""
-    if not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] == query.shape[0]
-            and mask.shape[-1] == key.shape[2] == query.shape[2] == mask.shape[-2]):
-        return None
-    return varlen.varlen_info(mask, "block_causal")
+    """The documents of a materialised block-diagonal causal 4-D mask over this call's [B, S] (varlen.block_causal)."""
+    return varlen.block_causal(mask, query.shape[0], query.shape[2], key.shape[2])
 
 
 @register("attention", "npu", name="npu:npu_fusion_attention")
@@ -273,35 +269,27 @@ def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scalin
 # --------------------------------------------------------------------------------------------- public entries
 
 
-def _plain_causal(mask, query, key) -> bool:
-    """A materialised 4-D mask that is plain causal, one whole sequence per row (transformers 4.57 builds one for a
-    batch without padding where 5.x leaves the mask out), read once per mask."""
-    info = _block_causal(mask, query, key)
-    return info is not None and info.is_dense(query.shape[0])
-
-
-def _packed_from_boundaries(module, query, key, kwargs) -> torch.Tensor | None:
-    """HF's packed-sequence ids for a causal batch whose documents are told only by the collator's `cu_seq_lens_q`
-    (DataCollatorWithFlattening without position ids, a framework's padding-free collator: what flash attention
-    reads; HF's mask code sees no packing then), so every backend keeps the documents apart; None when there are no
-    such boundaries or they do not cover this call's [B, S] tokens (read once per step, varlen's cache)."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if (not isinstance(cu_q, torch.Tensor) or not _is_causal(module, kwargs) or query.shape[2] != key.shape[2]
-            or (cu_k is not None and cu_k is not cu_q and not isinstance(cu_k, torch.Tensor))):
-        return None
-    batch, seq = query.shape[0], query.shape[2]
-    info = varlen.varlen_info(cu_q, "cu_seqlens")
-    ends = set(info.cu_seqlens)
-    if (info.total != batch * seq or len(ends) <= batch  # not this call's tokens, or nothing packed
-            or any(row * seq not in ends for row in range(1, batch))):  # a document across rows
-        return None
-    if isinstance(cu_k, torch.Tensor) and cu_k is not cu_q and varlen.varlen_info(cu_k, "cu_seqlens") != info:
-        return None
-    ids = varlen.sequence_ids(info.cu_seqlens, batch, str(query.device))
+def _remember_packed(ids: torch.Tensor) -> torch.Tensor:
+    """Register `ids` as packed-sequence ids (what _is_packed_ids recognises), the newest few kept."""
     _packed_ids[id(ids)] = ids
     while len(_packed_ids) > _PACKED_KEEP:
         _packed_ids.popitem(last=False)
     return ids
+
+
+def _packed_from_boundaries(module, query, key, attention_mask, kwargs) -> torch.Tensor | None:
+    """HF's packed-sequence ids for a causal batch whose documents are told only by the collator's `cu_seq_lens_q`
+    (no position ids, or a plain causal mask: what flash attention reads, where HF's mask code sees no packing), so
+    every backend keeps the documents apart (varlen.boundary_ids); None otherwise."""
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if not isinstance(cu_q, torch.Tensor) or not _is_causal(module, kwargs) or query.shape[2] != key.shape[2]:
+        return None
+    if attention_mask is not None:  # transformers 4.57 materialises a plain causal mask where 5.x leaves it out
+        info = _block_causal(attention_mask, query, key)
+        if info is None or not info.is_dense(query.shape[0]):
+            return None
+    ids = varlen.boundary_ids(cu_q, kwargs.get("cu_seq_lens_k"), query.shape[0], query.shape[2], query.device)
+    return None if ids is None else _remember_packed(ids)
 
 
 def attention_forward(
@@ -317,10 +305,8 @@ def attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """HF AttentionInterface function: q [B,Nq,S,D], k/v [B,Nkv,S,D] -> ([B,S,Nq,D], weights or None)."""
-    if attention_mask is None or (isinstance(kwargs.get("cu_seq_lens_q"), torch.Tensor)
-                                  and _plain_causal(attention_mask, query, key)):
-        packed = _packed_from_boundaries(module, query, key, kwargs)
-        attention_mask = attention_mask if packed is None else packed
+    packed = _packed_from_boundaries(module, query, key, attention_mask, kwargs)
+    attention_mask = attention_mask if packed is None else packed
     return run("attention", query.device)(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
         sliding_window=sliding_window, softcap=softcap, **kwargs,
@@ -400,11 +386,7 @@ def mindspeed_mask(
         # only an unpacked batch can tell that request apart.)
         return masking_utils.sdpa_mask(**args)
     if pattern.packed_ids is not None:
-        ids = pattern.packed_ids
-        _packed_ids[id(ids)] = ids
-        while len(_packed_ids) > _PACKED_KEEP:
-            _packed_ids.popitem(last=False)
-        return ids
+        return _remember_packed(pattern.packed_ids)
     return masking_utils.flash_attention_mask(**args)
 
 

@@ -208,6 +208,31 @@ def pad(x: torch.Tensor, info: VarlenInfo, batch: int, seq: int) -> torch.Tensor
     return x.reshape(batch, seq, *x.shape[1:])
 
 
+def block_causal(mask, batch: int, q_len: int, kv_len: int) -> VarlenInfo | None:
+    """The documents of `mask` when it is a materialised block-diagonal causal [batch, 1, S, S] mask over a call's
+    [batch, S] (LLaMA-Factory's neat_packing mask, ...), read once per mask (block_causal_info); None otherwise."""
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] == batch
+            and mask.shape[-1] == kv_len == q_len == mask.shape[-2]):
+        return None
+    return varlen_info(mask, "block_causal")
+
+
+def boundary_ids(cu_q: torch.Tensor, cu_k: torch.Tensor | None, batch: int, seq: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """HF's packed-sequence ids of the documents a collator's `cu_seq_lens_q` (cumulative, leading 0) describes over
+    the flattened [batch, seq] tokens (read once per step); None when they do not cover exactly those tokens, let a
+    document run across rows, pack nothing (one document per row), or disagree with `cu_seq_lens_k`."""
+    info = varlen_info(cu_q, "cu_seqlens")
+    ends = set(info.cu_seqlens)
+    if (info.total != batch * seq or len(ends) <= batch  # not this call's tokens, or nothing packed
+            or any(row * seq not in ends for row in range(1, batch))):  # a document across rows
+        return None
+    if cu_k is not None and cu_k is not cu_q and (not isinstance(cu_k, torch.Tensor)
+                                                  or varlen_info(cu_k, "cu_seqlens") != info):
+        return None
+    return sequence_ids(info.cu_seqlens, batch, str(device))
+
+
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def sequence_ids(cu_seqlens: tuple[int, ...], batch: int, device: str) -> torch.Tensor:
     """HF's packed-sequence ids ([batch, S], equal values = one document) of documents ending at `cu_seqlens` (the
