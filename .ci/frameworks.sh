@@ -5,6 +5,7 @@
 # .ci/run exports RELEASE_TESTS, those first: transformers 5.6.0 is the release LLaMA-Factory 0.9.5 pins).
 # Measured on the 2-core machine: install about 5 min (quiet machine), the tests about 4.5 min.
 # FW_SWIFT=1 also builds ms-swift 4.6.0's environment and runs tests/frameworks/test_swift.py.
+# FW_AXOLOTL=1 also builds axolotl 0.19.0's (the newest on Python 3.11; about 10 min) and runs test_axolotl.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -66,5 +67,22 @@ if [ "${FW_SWIFT:-0}" = "1" ]; then
     python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|peft|trl|ms-swift) '
     python -m pytest -q tests/frameworks/test_swift.py -p no:cacheprovider
     echo "== ms-swift: $(( $(date +%s) - swift_start )) s"
+    deactivate
+fi
+
+# axolotl 0.19.0 (opt-in, FW_AXOLOTL=1: about 10 minutes of install, 5 of tests): `axolotl train` plain vs
+# accelerated. 0.20 and later need Python >= 3.12; 0.19.0 pins transformers 5.16.1, trl 1.9.0, torch <= 2.13.0.
+if [ "${FW_AXOLOTL:-0}" = "1" ]; then
+    axolotl_start=$(date +%s)
+    rm -rf "$FW_ROOT/axolotl"
+    python3 -m venv "$FW_ROOT/axolotl"
+    # shellcheck disable=SC1091
+    source "$FW_ROOT/axolotl/bin/activate"
+    python -m pip install -q torch==2.13.0
+    PIP_CONSTRAINT="$FW_ROOT/constraints.txt" python -m pip install -q axolotl==0.19.0 pytest
+    python -m pip install -q --no-deps -e "$REPO"
+    python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|peft|trl|axolotl) '
+    python -m pytest -q tests/frameworks/test_axolotl.py -p no:cacheprovider
+    echo "== axolotl: $(( $(date +%s) - axolotl_start )) s"
     deactivate
 fi

@@ -91,15 +91,25 @@ ROW_CLIPS = ((130,), (70, 40), (), (90,))  # mel frames of each row's audio clip
 ROW_GRIDS = (((1, 4, 4),), (), ((1, 8, 8), (1, 4, 8)), ())  # each row's images (cycled)
 
 
-def omni_rows(model, count: int = 16, seed: int = 7) -> list[dict]:
-    """`count` unpadded rows, a processor's output per example: input_ids, labels (-100 on audio and image
+ROW_VIDEOS = (((2, 4, 4),), (), ((2, 4, 8),), ())  # each row's videos (cycled), with `videos`
+VIDEO_SECONDS = (0.5, 1.0, 0.3)  # seconds per temporal grid (cycled): fractional temporal positions on Qwen3-Omni
+VIDEO_CLIP = 60  # mel frames of a video's own audio track (audio_in_video)
+
+
+def omni_rows(model, count: int = 16, seed: int = 7, videos: bool = False, audio_in_video: bool = False) -> list[dict]:
+    """`count` unpadded rows, a processor's output per example: input_ids, labels (-100 on audio, image and video
     tokens), and each row's own `input_features` [clips, mel, frames] / `feature_attention_mask` (its clips padded
     to its longest), `pixel_values` / `image_grid_thw`. Rows with audio and images, audio only, images only,
-    neither."""
+    neither. With `videos`, some rows end with a video (`pixel_values_videos`, `video_grid_thw`,
+    `video_second_per_grid`); with `audio_in_video` too, every video carries its own audio track (its clip comes after
+    the row's other clips; placeholders: vision start, audio start, the video's tokens, then its audio tokens, audio
+    end, vision end: the layout of the processor's one-chunk case; the model must be called with
+    use_audio_in_video=True)."""
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for index in range(count):
         clips, grids = ROW_CLIPS[index % len(ROW_CLIPS)], ROW_GRIDS[(index // 2) % len(ROW_GRIDS)]
+        movies = ROW_VIDEOS[index % len(ROW_VIDEOS)] if videos or audio_in_video else ()
         ids = torch.randint(3, 230, (3 + index % 4,), generator=gen).tolist()
         frames = torch.tensor(clips, dtype=torch.long)
         for tokens in (_audio_tokens(model, frames) if clips else []):
@@ -107,6 +117,17 @@ def omni_rows(model, count: int = 16, seed: int = 7) -> list[dict]:
         for grid in grids:
             ids += [START] + [IMAGE] * (grid[0] * grid[1] * grid[2] // 4) + [END]
             ids += torch.randint(3, 230, (2 + index % 3,), generator=gen).tolist()
+        for t, h, w in movies:
+            video = [VIDEO] * (t * h * w // 4)
+            if audio_in_video:
+                track = [AUDIO] * _audio_tokens(model, torch.tensor([VIDEO_CLIP]))[0]
+                ids += [START, AUDIO_START, *video, *track, AUDIO_END, END]
+            else:
+                ids += [START, *video, END]
+            ids += torch.randint(3, 230, (3,), generator=gen).tolist()
+        if audio_in_video:
+            clips = (*clips, *(VIDEO_CLIP,) * len(movies))
+            frames = torch.tensor(clips, dtype=torch.long)
         input_ids = torch.tensor(ids)
         row = {"input_ids": ids, "labels": input_ids.masked_fill(input_ids >= AUDIO, -100).tolist()}
         if clips:
@@ -117,5 +138,10 @@ def omni_rows(model, count: int = 16, seed: int = 7) -> list[dict]:
             grid = torch.tensor(grids)
             row["image_grid_thw"] = grid
             row["pixel_values"] = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4, generator=gen)
+        if movies:
+            grid = torch.tensor(movies)
+            row["video_grid_thw"] = grid
+            row["pixel_values_videos"] = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4, generator=gen)
+            row["video_second_per_grid"] = torch.tensor([VIDEO_SECONDS[index % len(VIDEO_SECONDS)]] * len(movies))
         rows.append(row)
     return rows

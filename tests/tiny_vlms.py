@@ -228,7 +228,8 @@ def pad_rows(rows: list[dict]) -> dict[str, torch.Tensor]:
         for key in ("input_ids", "labels", "mm_token_type_ids"):
             if key in batch:
                 batch[key][i, :n] = torch.as_tensor(row[key])
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+                "video_second_per_grid"):
         parts = [row[key] for row in rows if key in row]
         if parts:
             batch[key] = torch.cat(parts)

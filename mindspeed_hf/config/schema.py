@@ -73,6 +73,11 @@ class KernelConfig:
     swiglu: bool = _declare(True, boolean(), "use the fused SwiGLU MLP kernel")
     attention: bool = _declare(True, boolean(), "make the fused attention kernel the default attention (an "
                                                 "explicit attn_implementation is kept)")
+    take_flash_attention: bool = _declare(False, boolean(), "an explicit attn_implementation flash_attention_2 / "
+                                          "flash_attention_3 runs the fused attention instead (packed rows kept apart "
+                                          "by their position ids or cu_seq_lens on every backend): for frameworks "
+                                          "that pack only under a flash name (ms-swift --padding_free / --packing "
+                                          "with --attn_impl flash_attn)")
     fused_linear_cross_entropy: bool = _declare(True, boolean(), "chunked causal-LM loss that never holds the full "
                                                                  "[tokens, vocab] logits")
     experts: bool = _declare(True, boolean(), "make the grouped-GEMM MoE experts kernel the default experts "

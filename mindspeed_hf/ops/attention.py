@@ -165,7 +165,9 @@ def _npu_unsupported(query, key, value, mask, softcap, kwargs) -> str | None:
     if any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
         return "attention biases or sinks"
     if mask is not None and mask.dim() != 2:
-        return "a materialised 4-D mask (cached decoding, or a custom mask pattern)"
+        if q_len != kv_len:
+            return "a materialised 4-D mask with queries shorter than keys (cached decoding)"
+        return "a materialised 4-D mask that is not block-diagonal causal (a custom pattern or an additive bias)"
     if query.dtype not in _NPU_DTYPES or not (query.dtype == key.dtype == value.dtype):
         return "these dtypes (q, k, v must share fp16, bf16 or fp32)"
     if dim > _NPU_MAX_HEAD_DIM or key.shape[-1] != dim or value.shape[-1] > dim:
@@ -210,16 +212,27 @@ def _varlen_for(mask, kwargs) -> varlen.VarlenInfo:
     return varlen.varlen_info(mask, "sequence_ids")
 
 
+def _block_causal(mask, query, key) -> varlen.VarlenInfo | None:
+    """The documents of a materialised block-diagonal causal 4-D mask over this call's [B, S] (varlen.block_causal)."""
+    return varlen.block_causal(mask, query.shape[0], query.shape[2], key.shape[2])
+
+
 @register("attention", "npu", name="npu:npu_fusion_attention")
 def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                   softcap=None, **kwargs):
-    """npu_fusion_attention: BSND + compressed causal mask, or TND for padded / packed batches."""
+    """npu_fusion_attention: BSND + compressed causal mask, or TND for padded / packed batches (packed: HF's
+    sequence ids, the collator's cu_seq_lens, or a block-diagonal causal 4-D mask)."""
     mask = attention_mask
     is_causal = _is_causal(module, kwargs)
+    blocks = _block_causal(mask, query, key)
+    if blocks is not None:
+        # The mask is the whole pattern (SDPA applies no causal flag or window beside a mask): causal documents.
+        mask, is_causal, sliding_window = None, True, None
     reason = _npu_unsupported(query, key, value, mask, softcap, kwargs)
-    info = None
+    info = blocks
     if reason is None and mask is not None:
         info = _varlen_for(mask, kwargs)
+    if reason is None and info is not None:
         if info.is_dense(query.shape[0]):
             # One whole sequence per row, e.g. the sequence ids that transformers 4.57 hands over for every batch
             # without an attention mask (compat.UNPACKED_BATCHES_GET_SEQUENCE_IDS): the plain dense call below.
@@ -228,7 +241,9 @@ def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scalin
             reason = "a sliding window over padding with holes"
     if reason is not None:
         warn_fallback_once(reason)
-        if mask is None or mask.dim() == 2:  # compact (ours): the SDPA mask it stands for
+        if blocks is not None:  # the caller's own 4-D mask, as given
+            mask = attention_mask
+        elif mask is None or mask.dim() == 2:  # compact (ours): the SDPA mask it stands for
             mask = _expand_compact_mask(mask, query, key, sliding_window, is_causal)
         return _reference(module, query, key, value, mask, dropout, scaling, softcap, kwargs)
 
@@ -254,6 +269,29 @@ def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scalin
 # --------------------------------------------------------------------------------------------- public entries
 
 
+def _remember_packed(ids: torch.Tensor) -> torch.Tensor:
+    """Register `ids` as packed-sequence ids (what _is_packed_ids recognises), the newest few kept."""
+    _packed_ids[id(ids)] = ids
+    while len(_packed_ids) > _PACKED_KEEP:
+        _packed_ids.popitem(last=False)
+    return ids
+
+
+def _packed_from_boundaries(module, query, key, attention_mask, kwargs) -> torch.Tensor | None:
+    """HF's packed-sequence ids for a causal batch whose documents are told only by the collator's `cu_seq_lens_q`
+    (no position ids, or a plain causal mask: what flash attention reads, where HF's mask code sees no packing), so
+    every backend keeps the documents apart (varlen.boundary_ids); None otherwise."""
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if not isinstance(cu_q, torch.Tensor) or not _is_causal(module, kwargs) or query.shape[2] != key.shape[2]:
+        return None
+    if attention_mask is not None:  # transformers 4.57 materialises a plain causal mask where 5.x leaves it out
+        info = _block_causal(attention_mask, query, key)
+        if info is None or not info.is_dense(query.shape[0]):
+            return None
+    ids = varlen.boundary_ids(cu_q, kwargs.get("cu_seq_lens_k"), query.shape[0], query.shape[2], query.device)
+    return None if ids is None else _remember_packed(ids)
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -267,6 +305,8 @@ def attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """HF AttentionInterface function: q [B,Nq,S,D], k/v [B,Nkv,S,D] -> ([B,S,Nq,D], weights or None)."""
+    packed = _packed_from_boundaries(module, query, key, attention_mask, kwargs)
+    attention_mask = attention_mask if packed is None else packed
     return run("attention", query.device)(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
         sliding_window=sliding_window, softcap=softcap, **kwargs,
@@ -346,11 +386,7 @@ def mindspeed_mask(
         # only an unpacked batch can tell that request apart.)
         return masking_utils.sdpa_mask(**args)
     if pattern.packed_ids is not None:
-        ids = pattern.packed_ids
-        _packed_ids[id(ids)] = ids
-        while len(_packed_ids) > _PACKED_KEEP:
-            _packed_ids.popitem(last=False)
-        return ids
+        return _remember_packed(pattern.packed_ids)
     return masking_utils.flash_attention_mask(**args)
 
 

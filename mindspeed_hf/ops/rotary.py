@@ -24,11 +24,18 @@ def _rope_one_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return (x * cos) + (_rotate_half(x) * sin)
 
 
+def _promoted(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """x, cos, sin in the dtype HF's `x * cos` gives them (PyTorch's promotion): under autocast q / k come out of
+    their projection in bf16 while the tables stay fp32, so HF rotates them in fp32; the fused ops take one dtype."""
+    dtype = torch.promote_types(x.dtype, cos.dtype)
+    return x.to(dtype), cos.to(dtype), sin.to(dtype)
+
+
 def _rope_one_npu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     if x.dim() != 4 or d % 2 or d >= _NPU_MAX_HEAD_DIM or max(x.shape[0], x.shape[1]) >= _NPU_MAX_BATCH_OR_HEADS:
         return _rope_one_torch(x, cos, sin)  # outside the op's domain: same math, unfused
-    return import_torch_npu().npu_rotary_mul(x, cos, sin, rotary_mode="half")
+    return import_torch_npu().npu_rotary_mul(*_promoted(x, cos, sin), rotary_mode="half")
 
 
 def _apply(rope_one, q, k, cos, sin, unsqueeze_dim):
@@ -61,7 +68,8 @@ def rope_liger(q, k, cos, sin, unsqueeze_dim=1):
         return rope_torch(q, k, cos, sin, unsqueeze_dim)  # liger's kernel expects BNSD and a full-width rotary
     from liger_kernel.ops.rope import LigerRopeFunction
 
-    return LigerRopeFunction.apply(q, k, cos, sin, None, unsqueeze_dim)
+    q, cos, sin = _promoted(q, cos, sin)
+    return LigerRopeFunction.apply(q, k.to(q.dtype), cos, sin, None, unsqueeze_dim)
 
 
 def apply_rotary_pos_emb(
@@ -98,7 +106,7 @@ def _rope_one_npu_bsnd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     d = x.shape[-1]
     if d % 2 or d >= _NPU_MAX_HEAD_DIM or x.shape[2] >= _NPU_MAX_BATCH_OR_HEADS:
         return _rope_one_torch(x, cos, sin)
-    return import_torch_npu().npu_rotary_mul(x, cos, sin, rotary_mode="half")
+    return import_torch_npu().npu_rotary_mul(*_promoted(x, cos, sin), rotary_mode="half")
 
 
 def apply_rotary_pos_emb_vision(

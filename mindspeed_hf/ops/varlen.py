@@ -68,7 +68,7 @@ def _padding_in_place(runs: list[tuple[int, int]], seq: int) -> tuple[int, ...]:
     return tuple(ends)
 
 
-def build_varlen_info(source: torch.Tensor, kind: str) -> VarlenInfo:
+def build_varlen_info(source: torch.Tensor, kind: str) -> VarlenInfo | None:
     """Compute a VarlenInfo (one host sync). `kind` says what `source` is:
 
     "padding": [B, S] mask, True/1 = real token (HF's 2-D attention mask). Where each row's real tokens are one
@@ -80,7 +80,11 @@ def build_varlen_info(source: torch.Tensor, kind: str) -> VarlenInfo:
         position is a real token.
     "cu_seqlens": 1-D cumulative lengths WITH the leading 0 (DataCollatorWithFlattening's cu_seq_lens_q) over the
         flattened batch.
+    "block_causal": a materialised [B, 1, S, S] mask; None unless it is exactly block-diagonal causal
+        (block_causal_info).
     """
+    if kind == "block_causal":
+        return block_causal_info(source)
     if kind == "padding":
         mask = source.bool()
         batch, seq = mask.shape
@@ -109,6 +113,57 @@ def build_varlen_info(source: torch.Tensor, kind: str) -> VarlenInfo:
     raise ValueError(f"unknown varlen source kind {kind!r}")
 
 
+def block_causal_info(mask: torch.Tensor) -> VarlenInfo | None:
+    """The documents of a materialised [B, 1, S, S] mask that is exactly block-diagonal causal (LLaMA-Factory's
+    neat_packing mask, a caller's own packed mask), or None for any other pattern. SDPA's conventions: bool True =
+    attend, or additive float (0 = attend, <= half the dtype's lowest value or -inf = masked; any other value is a
+    bias, not a boundary). A query with no key at all is padding (its output is not a document's). Exact: the mask
+    is compared with the one its documents imply (one [B, S, S] comparison and one host read, memoised per mask).
+    Padding stays in place as sequences of its own, as for a 2-D padding mask."""
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
+        return None
+    if mask.dtype == torch.bool:
+        allowed = mask[:, 0]
+    elif mask.is_floating_point():
+        values = mask[:, 0]
+        allowed = values == 0
+        if not bool((allowed | (values <= torch.finfo(mask.dtype).min / 2)).all()):
+            return None
+    else:
+        return None
+    batch, seq, _ = allowed.shape
+    real = allowed.any(-1)  # [B, S]: queries that see some key
+    first = allowed.int().argmax(-1)  # the first key each query sees
+    index = torch.arange(seq, device=mask.device)
+    # Each real query sees exactly [its document's start, itself]; a document starts where a query's first key is
+    # itself, and every other real query starts where the query before it does.
+    implied = real[:, :, None] & (index[None, None, :] >= first[:, :, None]) & (index[None, None, :] <= index[:, None])
+    starts = first == index
+    continues = torch.zeros_like(starts)
+    continues[:, 1:] = (first[:, 1:] == first[:, :-1]) & real[:, :-1]
+    if not bool(torch.equal(implied, allowed) and (~real | starts | continues).all()):
+        return None
+    # per row: the (start, end) of every run of real tokens of one document, then padding stretches around them
+    boundaries = (real & starts).tolist()
+    real_rows = real.tolist()
+    ends: list[int] = []
+    for row in range(batch):
+        offset, flags, begins, position = row * seq, real_rows[row], boundaries[row], 0
+        while position < seq:
+            stop = position + 1
+            if flags[position]:
+                while stop < seq and flags[stop] and not begins[stop]:
+                    stop += 1
+                ends.append(offset + stop)
+            else:
+                while stop < seq and not flags[stop] and stop - position < PAD_PIECE:
+                    stop += 1
+                ends.append(offset + stop)
+            position = stop
+    keep = None if all(all(r) for r in real_rows) else real.reshape(-1, 1, 1)
+    return VarlenInfo(None, tuple(ends), True, batch * seq, keep)
+
+
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version  # bumps on in-place writes: a reused, rewritten mask is not a stale hit
@@ -116,7 +171,7 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def varlen_info(source: torch.Tensor, kind: str) -> VarlenInfo:
+def varlen_info(source: torch.Tensor, kind: str) -> VarlenInfo | None:
     """build_varlen_info, memoised on the identity and version of `source` (so once per forward step)."""
     key = (kind, id(source), _version(source))
     hit = _cache.get(key)
@@ -151,6 +206,40 @@ def pad(x: torch.Tensor, info: VarlenInfo, batch: int, seq: int) -> torch.Tensor
         full = x.new_zeros(info.total, *x.shape[1:])
         x = full.index_copy(0, info.indices, x)  # out of place: differentiable w.r.t. x
     return x.reshape(batch, seq, *x.shape[1:])
+
+
+def block_causal(mask, batch: int, q_len: int, kv_len: int) -> VarlenInfo | None:
+    """The documents of `mask` when it is a materialised block-diagonal causal [batch, 1, S, S] mask over a call's
+    [batch, S] (LLaMA-Factory's neat_packing mask, ...), read once per mask (block_causal_info); None otherwise."""
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] == batch
+            and mask.shape[-1] == kv_len == q_len == mask.shape[-2]):
+        return None
+    return varlen_info(mask, "block_causal")
+
+
+def boundary_ids(cu_q: torch.Tensor, cu_k: torch.Tensor | None, batch: int, seq: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """HF's packed-sequence ids of the documents a collator's `cu_seq_lens_q` (cumulative, leading 0) describes over
+    the flattened [batch, seq] tokens (read once per step); None when they do not cover exactly those tokens, let a
+    document run across rows, pack nothing (one document per row), or disagree with `cu_seq_lens_k`."""
+    info = varlen_info(cu_q, "cu_seqlens")
+    ends = set(info.cu_seqlens)
+    if (info.total != batch * seq or len(ends) <= batch  # not this call's tokens, or nothing packed
+            or any(row * seq not in ends for row in range(1, batch))):  # a document across rows
+        return None
+    if cu_k is not None and cu_k is not cu_q and (not isinstance(cu_k, torch.Tensor)
+                                                  or varlen_info(cu_k, "cu_seqlens") != info):
+        return None
+    return sequence_ids(info.cu_seqlens, batch, str(device))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def sequence_ids(cu_seqlens: tuple[int, ...], batch: int, device: str) -> torch.Tensor:
+    """HF's packed-sequence ids ([batch, S], equal values = one document) of documents ending at `cu_seqlens` (the
+    host tuple, no leading 0) over the flattened [batch, S] tokens; one tensor per layout (memoised)."""
+    lengths = [end - start for start, end in zip((0, *cu_seqlens[:-1]), cu_seqlens)]
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return ids.reshape(batch, -1).to(device)
 
 
 # A group of packed documents run as one batch of rows wastes at most this share of its positions on padding.

@@ -27,7 +27,7 @@ logger = logging.getLogger("mindspeed_hf")
 
 _patches = PATCHES  # the process's patch record (engine.py): disable() restores it
 # The process config itself lives in scope (the kernels read it there); here only whether it was given explicitly.
-_state: dict[str, Any] = {"explicit": None, "warned_types": set()}
+_state: dict[str, Any] = {"explicit": None, "warned_types": set(), "taken": set()}
 # Models whose attention may point at our kernel: disable() switches them back to sdpa.
 _models: weakref.WeakSet = weakref.WeakSet()
 _fused_layers = FUSED_LAYERS  # decoder-layer classes whose residual add runs fused into their norm
@@ -47,11 +47,44 @@ def _attention_default(original, family: ModelFamily):
         if requested_attention is None:
             if scope.kernel_on("attention") and self._supports_sdpa and _replaceable(self, family):
                 requested_attention = ATTENTION_NAME
-        elif requested_attention != ATTENTION_NAME:
-            self._mindspeed_explicit_attention = requested_attention
+        else:
+            requested_attention = _taken_flash(self, family, requested_attention)
+            if requested_attention != ATTENTION_NAME:
+                self._mindspeed_explicit_attention = requested_attention
         return original(self, requested_attention, is_init_check)
 
     return get_correct_attn_implementation
+
+
+FLASH_NAMES = ("flash_attention_2", "flash_attention_3")
+
+
+def _taken_flash(model: nn.Module, family: ModelFamily, requested: str) -> str:
+    """`requested`, or our attention's name for a flash name under kernels.take_flash_attention (where ours can take
+    the model's attention: the same rule as the default)."""
+    config = scope.current().kernels
+    if requested not in FLASH_NAMES or not (config.take_flash_attention and config.attention):
+        return requested
+    if not (model._supports_sdpa and _replaceable(model, family)):
+        return requested
+    if requested not in _state["taken"]:
+        _state["taken"].add(requested)
+        logger.info("mindspeed_hf: attn_implementation %r runs mindspeed_hf's attention (%s) "
+                    "(kernels.take_flash_attention)", requested, ATTENTION_NAME)
+    return ATTENTION_NAME
+
+
+def _flash_checked(original, family: ModelFamily):
+    """Wrap XPreTrainedModel._check_and_adjust_attn_implementation: a flash name taken by kernels.take_flash_attention
+    is ours before transformers looks for the flash_attn package or a hub kernel."""
+
+    @functools.wraps(original)
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        if isinstance(attn_implementation, str):
+            attn_implementation = _taken_flash(self, family, attn_implementation)
+        return original(self, attn_implementation, *args, **kwargs)
+
+    return _check_and_adjust_attn_implementation
 
 
 def _announce_on_init(original):
@@ -124,6 +157,9 @@ def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
     if default_attention and not _patches.is_patched(pretrained, "get_correct_attn_implementation"):
         _patches.set(pretrained, "get_correct_attn_implementation",
                      _attention_default(pretrained.get_correct_attn_implementation, family))
+        if hasattr(pretrained, "_check_and_adjust_attn_implementation"):
+            _patches.set(pretrained, "_check_and_adjust_attn_implementation",
+                         _flash_checked(pretrained._check_and_adjust_attn_implementation, family))
     if family.experts and experts.available() and not _patches.is_patched(pretrained,
                                                                            "get_correct_experts_implementation"):
         _patches.set(pretrained, "get_correct_experts_implementation",

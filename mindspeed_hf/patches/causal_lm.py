@@ -34,6 +34,7 @@ patched before TRL wrapped the instance, HF's otherwise. Both keep working (test
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from collections.abc import Callable
@@ -102,6 +103,34 @@ def logits_plan(model: torch.nn.Module, lm_head: torch.nn.Module, labels: torch.
     if model.training and (mode == "always" or scope.logits_unread()):
         return "skip"
     return "defer" if lazy_logits.can_defer(lm_head) else "full"
+
+
+def tuple_requested(signature: inspect.Signature, arguments: dict, config) -> bool:
+    """Whether a head's caller asked for HF's tuple output, however the release takes the switch: a named
+    `return_dict` (4.57), `return_dict` in **kwargs (5.x: `can_return_tuple` pops it), or none given and
+    `config.return_dict` False. The bound call (`arguments`, HF's forward bound by name) is set up to return a
+    ModelOutput, which the head turns into HF's tuple (`ModelOutput.to_tuple()`) when this is True."""
+    named = "return_dict" in signature.parameters
+    holder = arguments if named else arguments.get("kwargs", {})
+    value = holder.get("return_dict")
+    if value is None:
+        value = getattr(config, "return_dict", True)
+    if value is False:  # passed explicitly: overrides a False config.return_dict too
+        (arguments if named else arguments.setdefault("kwargs", {}))["return_dict"] = True
+    return value is False
+
+
+def rebuilt(outputs, **fields):
+    """`outputs` (a ModelOutput) with `fields` replaced, its keys in HF's order: the replaced fields first, then the
+    order HF's own object had (transformers 4.57's capture decorator adds the hidden states after the output is
+    built, so its `to_tuple()` is not the dataclass order). Rebuilt, not assigned: a ModelOutput keeps a None field
+    out of its dict, so an assigned `loss` would come last."""
+    values = {field.name: getattr(outputs, field.name) for field in dataclasses.fields(outputs)}
+    result = type(outputs)(**{**values, **fields})
+    for key in [*fields, *outputs.keys()]:
+        if key in result:
+            result.move_to_end(key)
+    return result
 
 
 def _load_balancing_loss_func(model: torch.nn.Module):

@@ -7,7 +7,9 @@ indexing, `repr`, a dtype cast - computes HF's logits once, from the kept final 
 real lm_head (Gemma's softcap applied as HF does), under the grad mode and autocast state of the forward that made
 it, and runs the operation on them; a loss built on them backpropagates into the model exactly as HF's would. Read
 again, the same tensor is used. A cast (`.float()`, `.to(dtype)`, what accelerate's mixed-precision output conversion
-does to every output) returns another deferred tensor, so that conversion builds nothing either.
+does to every output) returns another deferred tensor, so that conversion builds nothing either. The top-1 token per
+position (`logits.argmax(-1)`, `torch.argmax(logits, dim=-1)`: a token-accuracy metric such as ms-swift's) is read
+chunk by chunk through the lm_head, one [chunk, vocab] block at a time, without building the logits.
 
 Deferred only where the lm_head can be called again after the forward as it was inside it: its parameters are plain
 local tensors (not tensor-parallel DTensors, not DeepSpeed ZeRO-3 partitions) and torch.compile is not tracing;
@@ -26,6 +28,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from ..ops.fused_linear_cross_entropy import default_chunk_size
+
 __all__ = ["DeferredLogits", "can_defer", "deferred_logits"]
 
 _METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -41,9 +45,10 @@ class DeferredLogits(torch.Tensor):
 
     @staticmethod
     def __new__(cls, make: Callable[[], torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
-                device: torch.device, requires_grad: bool) -> DeferredLogits:
+                device: torch.device, requires_grad: bool,
+                top1: Callable[[], torch.Tensor] | None = None) -> DeferredLogits:
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
-        self._make, self._value, self._hooks = make, None, []
+        self._make, self._value, self._hooks, self._top1 = make, None, [], top1
         return self
 
     def materialize(self) -> torch.Tensor:
@@ -74,6 +79,8 @@ class DeferredLogits(torch.Tensor):
                     return func(*args, **kwargs)
             if func is torch.Tensor.register_hook:
                 return first._register_hook(*args[1:], **kwargs)
+            if first._top1 is not None and _is_vocab_argmax(func, args, kwargs, first.dim()):
+                return first._top1()
             dtype = _cast_dtype(func, args, kwargs)
             if dtype is not None:
                 return first if dtype == first.dtype else _cast(first, dtype)
@@ -117,8 +124,23 @@ def _cast_dtype(func: Callable, args: tuple, kwargs: dict) -> torch.dtype | None
 
 
 def _cast(source: DeferredLogits, dtype: torch.dtype) -> DeferredLogits:
+    # a widening cast (bf16 -> fp32, what accelerate's output conversion does) keeps every argmax: top-1 carries over
+    widening = torch.finfo(dtype).bits > torch.finfo(source.dtype).bits if dtype.is_floating_point else False
     return DeferredLogits(lambda: source.materialize().to(dtype), source.shape, dtype, source.device,
-                          source.requires_grad)
+                          source.requires_grad, source._top1 if widening else None)
+
+
+_ARGMAX = (torch.Tensor.argmax, torch.argmax)
+
+
+def _is_vocab_argmax(func: Callable, args: tuple, kwargs: dict, ndim: int) -> bool:
+    """`logits.argmax(-1)` / `torch.argmax(logits, dim=-1)`: the top-1 token per position (a token-accuracy metric,
+    ms-swift's), which the chunked pass gives without the [tokens, vocab] logits."""
+    if func not in _ARGMAX or len(args) > 3 or set(kwargs) - {"dim", "keepdim"}:
+        return False
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    return isinstance(dim, int) and dim in (-1, ndim - 1) and not keepdim
 
 
 def can_defer(lm_head: torch.nn.Module) -> bool:
@@ -180,6 +202,20 @@ def deferred_logits(lm_head: torch.nn.Module, hidden_states: torch.Tensor,
             logits = head(hidden_states)
             return finish(logits) if finish is not None else logits
 
+    def top1() -> torch.Tensor:
+        """The argmax over the vocabulary of every position, chunk by chunk (one [chunk, vocab] block at a time, no
+        gradient): what `make().argmax(-1)` gives, without the logits."""
+        if _state(lm_head) != state:
+            raise _stale_error()
+        flat = hidden_states.detach().reshape(-1, hidden_states.shape[-1])
+        rows = default_chunk_size(width)
+        out = torch.empty(flat.shape[0], dtype=torch.long, device=on)
+        with torch.no_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
+            for start in range(0, flat.shape[0], rows):
+                logits = head(flat[start:start + rows])
+                out[start:start + rows] = (finish(logits) if finish is not None else logits).argmax(-1)
+        return out.reshape(hidden_states.shape[:-1])
+
     if type(lm_head) is torch.nn.Linear:  # what make() will return, known without running it
         width, dtype, on = lm_head.out_features, autocast_dtype or hidden_states.dtype, hidden_states.device
     else:  # a wrapped head (PEFT, quantized): run it on one position, its random state kept (dropout)
@@ -190,4 +226,5 @@ def deferred_logits(lm_head: torch.nn.Module, hidden_states: torch.Tensor,
             probe = finish(probe) if finish is not None else probe
         width, dtype, on = probe.shape[-1], probe.dtype, probe.device
     return DeferredLogits(make, (*hidden_states.shape[:-1], width), dtype, on,
-                          grad and (hidden_states.requires_grad or any(p.requires_grad for p in lm_head.parameters())))
+                          grad and (hidden_states.requires_grad or any(p.requires_grad for p in lm_head.parameters())),
+                          top1)

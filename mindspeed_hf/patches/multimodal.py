@@ -17,7 +17,6 @@ fused chunked loss on XForConditionalGeneration heads, and the split of report()
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import sys
 from collections.abc import Callable, Iterator
@@ -32,7 +31,7 @@ from ..ops.attention import ATTENTION_NAME
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from ..ops.vision_attention import vision_attention
 from . import packed_positions, scope
-from .causal_lm import SkippedLogits, logits_plan
+from .causal_lm import SkippedLogits, logits_plan, rebuilt, tuple_requested
 from .forwards import tag
 from .lazy_logits import deferred_logits
 
@@ -116,16 +115,22 @@ def _aux_loss_coef(model: nn.Module) -> float:
 
 def vlm_head_forward(original: Callable) -> Callable:
     """XForConditionalGeneration.forward with the fused chunked loss while training with labels (same rule as the
-    causal-LM heads, kernels.skip_logits); HF's forward otherwise. Accepts `skip_logits` like causal_lm_forward."""
+    causal-LM heads, kernels.skip_logits); HF's forward otherwise. Accepts `skip_logits` like causal_lm_forward.
+    HF's tuple comes back where the caller asks for one (causal_lm.tuple_requested: named, through **kwargs, or
+    config.return_dict)."""
     signature = inspect.signature(original)
 
     def forward(self: nn.Module, *args: Any, skip_logits: bool | None = None, **kwargs: Any):
         bound = signature.bind(self, *args, **kwargs)
         labels = bound.arguments.get("labels")
         mode = scope.current().kernels.skip_logits
-        plan = "full" if "lm_head" not in self._modules or bound.arguments.get("return_dict", True) is False else \
-            logits_plan(self, self.lm_head, labels, skip_logits, mode)
+        plan = "full" if "lm_head" not in self._modules else logits_plan(self, self.lm_head, labels, skip_logits, mode)
         if plan == "full":
+            return original(self, *args, **kwargs)
+        as_tuple = tuple_requested(signature, bound.arguments, self.config)
+        if as_tuple and "return_dict" in signature.parameters:
+            # transformers 4.57's heads take return_dict by name and build their tuple by hand (the inner model's
+            # tuple after the logits), not ModelOutput.to_tuple(): HF's forward gives exactly that
             return original(self, *args, **kwargs)
         extra = bound.arguments.get("kwargs", {})
         loss_kwargs = {name: extra.pop(name) for name in LOSS_ONLY_KWARGS if name in extra}
@@ -142,10 +147,9 @@ def vlm_head_forward(original: Callable) -> Callable:
         aux_loss = getattr(outputs, "aux_loss", None)
         if aux_loss is not None:  # MoE heads add the router's load-balancing loss when they return it
             loss = loss + _aux_loss_coef(self) * aux_loss.to(loss.device)
-        # Rebuilt, not assigned: ModelOutput keeps a None field out of its dict, and `loss` must come first in it.
-        fields = {field.name: getattr(outputs, field.name) for field in dataclasses.fields(outputs)}
         logits = SkippedLogits(mode) if plan == "skip" else deferred_logits(lm_head, outputs.logits)
-        return type(outputs)(**{**fields, "loss": loss, "logits": logits})
+        result = rebuilt(outputs, loss=loss, logits=logits)
+        return result.to_tuple() if as_tuple else result
 
     return forward
 

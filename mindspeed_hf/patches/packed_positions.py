@@ -160,8 +160,10 @@ def packed_rope_positions(model: nn.Module, input_ids: torch.Tensor, text_positi
                      "audio_seqlens": audio_lengths, "use_audio_in_video": bool(arguments.get("use_audio_in_video")),
                      "mm_token_type_ids": None if token_types is None else token_types[row:row + 1, start:end]}
             positions, _ = model.get_rope_index(**{k: v for k, v in given.items() if k in parameters})
+            if positions.is_floating_point() and not rope.is_floating_point():
+                rope = rope.to(positions.dtype)  # Qwen3-Omni: fractional video times (seconds x positions per second)
             rope[:, row, start:end] = positions[:, 0].to(rope)
-    return torch.cat([text_positions.unsqueeze(0), rope])
+    return torch.cat([text_positions.unsqueeze(0).to(rope.dtype), rope])
 
 
 def packed_positions_forward(original: Callable) -> Callable:

@@ -27,7 +27,6 @@ Without labels (generation) every forward is HF's.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -38,7 +37,7 @@ from torch import nn
 
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from . import scope
-from .causal_lm import SkippedLogits, logits_plan
+from .causal_lm import SkippedLogits, logits_plan, rebuilt, tuple_requested
 from .lazy_logits import deferred_logits
 
 OP = "fused_linear_cross_entropy"
@@ -104,19 +103,7 @@ def _split(signature: inspect.Signature, self: nn.Module, args: tuple, kwargs: d
     arguments = bound.arguments
     if "labels" in signature.parameters:
         labels = arguments.pop("labels", None)
-    extra = arguments.get("kwargs", {})
-    if "return_dict" in signature.parameters:  # transformers 4.57
-        as_tuple = arguments.get("return_dict") is False
-        arguments["return_dict"] = True
-    else:
-        as_tuple = extra.pop("return_dict", None) is False
-    return bound, labels, loss_kwargs, as_tuple
-
-
-def _rebuilt(outputs: Any, **fields: Any) -> Any:
-    """`outputs` with `fields` replaced (rebuilt: a ModelOutput keeps None fields out of its dict, `loss` first)."""
-    values = {field.name: getattr(outputs, field.name) for field in dataclasses.fields(outputs)}
-    return type(outputs)(**{**values, **fields})
+    return bound, labels, loss_kwargs, tuple_requested(signature, arguments, self.config)
 
 
 def _aux_loss(model: nn.Module, outputs: Any, loss: torch.Tensor) -> torch.Tensor:
@@ -175,7 +162,7 @@ def talker_forward(original: Callable, fused: bool) -> Callable:
                 chunk_size=scope.current().kernels.loss_chunk_size)
             dtype = outputs.logits.dtype  # HF's logits dtype (Qwen2.5-Omni casts them to fp32)
             logits = SkippedLogits(mode) if plan == "skip" else deferred_logits(head, hidden).to(dtype)
-        result = _rebuilt(outputs, loss=_aux_loss(self, outputs, loss), logits=logits)
+        result = rebuilt(outputs, loss=_aux_loss(self, outputs, loss), logits=logits)
         return result.to_tuple() if as_tuple else result
 
     forward.__signature__ = with_labels(original)
@@ -224,7 +211,7 @@ def code_predictor_forward(original: Callable, fused: bool) -> Callable:
                                                   chunk_size=scope.current().kernels.loss_chunk_size)
                        for j in range(length - 1))
             logits = SkippedLogits(mode) if plan == "skip" else deferred_logits(stacked, hidden)
-        result = _rebuilt(outputs, loss=loss, logits=logits)
+        result = rebuilt(outputs, loss=loss, logits=logits)
         return result.to_tuple() if as_tuple else result
 
     forward._mindspeed_op = OP

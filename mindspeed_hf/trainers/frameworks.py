@@ -42,6 +42,12 @@ KERNEL_PACKAGES: dict[str, str] = {
     "axolotl": "axolotl kernels",
 }
 
+# transformers' own hub kernels (from_pretrained(use_kernels=...), KernelConfig; on by default in transformers >= 5.25
+# wherever the `kernels` package is installed): `kernelize` gives a module an instance forward from a hub repository
+HUB_KERNELS = "transformers hub kernels"
+HUB_SWITCH = ("use_kernels=False in from_pretrained (or USE_HUB_KERNELS=NO) for ours, or kernels.<op>: false to leave "
+              "those layers to the hub kernels")
+
 # (framework, kernel family) -> the setting that turns it off, as the framework spells it
 SWITCHES: dict[tuple[str, str], str] = {
     ("LLaMA-Factory", "Liger"): "enable_liger_kernel: false",
@@ -59,7 +65,9 @@ class Detected:
     name: str | None  # "LLaMA-Factory", "ms-swift", "axolotl", "TRL", or None (plain transformers.Trainer)
     version: str | None = None
     conflicts: list[str] = field(default_factory=list)  # kernels of theirs that replaced ours on this model
-    notes: list[str] = field(default_factory=list)  # what of ours does not run there, and why
+    # what of its options changes what of ours runs (packing names); whether a kernel ran is said after train(),
+    # from the counters (report()["ran"]), never guessed here from which methods the trainer overrides
+    notes: list[str] = field(default_factory=list)
 
 
 def _root(module_name: str | None) -> str:
@@ -127,6 +135,10 @@ def foreign_kernels(model: Any) -> dict[str, set[str]]:
     for module in modules:
         cls = type(module)
         kind = cls.__name__
+        repo = vars(module).get("_kernel_repo") if "forward" in vars(module) else None
+        if repo is not None:  # transformers' hub kernels (use_kernels, KernelConfig): kernelize's instance forward
+            found.setdefault(HUB_KERNELS, set()).add(f"{kind}.forward ({getattr(repo, 'repo_id', repo)})")
+            continue
         note(cls.__module__, kind)
         note(_function_module(vars(module).get("forward", cls.forward)), f"{kind}.forward")
         for hook in ("apply_qkv", "apply_o"):  # axolotl's LoRA attention kernels (instance methods)
@@ -139,19 +151,29 @@ def foreign_kernels(model: Any) -> dict[str, set[str]]:
     return found
 
 
-def _loss_notes(trainer: Any, name: str | None) -> list[str]:
-    """Where the framework computes the loss itself, so our fused loss (which needs Trainer.compute_loss) does not
-    run; said for the trainers known to do so."""
-    notes = []
-    if name == "ms-swift":
-        from transformers import Trainer
+def _code_package(fn: Any) -> str | None:
+    """The top-level package whose file defines `fn`'s code (a functools.wraps wrapper copies the wrapped function's
+    __module__, so its own code is what tells who wrote it)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return None
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) == code.co_filename:
+            return _root(module.__name__)
+    return None
 
-        if type(trainer).compute_loss is not Trainer.compute_loss:
-            notes.append("the fused loss does not run: ms-swift's compute_loss calls the model itself and reads "
-                         "outputs.logits for its token accuracy (the backbone kernels still run)")
-    if name == "LLaMA-Factory" and getattr(getattr(trainer, "finetuning_args", None), "use_asft_loss", False):
-        notes.append("the fused loss does not run: use_asft_loss computes the loss from the logits")
-    return notes
+
+def head_notes(model: Any) -> list[str]:
+    """A loss head another package installed on the model instance: TRL's chunked LM head (trl 1.15+
+    `add_fused_lm_head`, used by its SFT, DPO, KTO, GRPO and RLOO trainers) scores the tokens with its own tiles, so
+    our fused loss stays out of it (its tiles are TRL's math, not a kernel of ours) while the backbone kernels run
+    under it."""
+    hf_model = _unwrap(model)
+    forward = vars(hf_model).get("forward") if hasattr(hf_model, "__dict__") else None
+    if forward is not None and _code_package(forward) == "trl":
+        return ["TRL computes the loss with its own chunked LM head (trl add_fused_lm_head): mindspeed_hf's fused "
+                "loss stays out of it, the backbone kernels run under it"]
+    return []
 
 
 def _packing_notes(trainer: Any, name: str | None, model: Any) -> list[str]:
@@ -171,18 +193,18 @@ def _packing_notes(trainer: Any, name: str | None, model: Any) -> list[str]:
 
 def detect(trainer: Any, model: Any = None) -> Detected:
     """The framework driving `trainer`, the kernels of other packages found on its model that replaced ours
-    (each named with the setting that turns it off), and what of ours does not run there."""
+    (each named with the setting that turns it off), and the framework options that choose another attention."""
     name, version = framework_of(trainer)
     model = model if model is not None else getattr(trainer, "model", None)
     found = Detected(name, version)
     for family, parts in sorted(foreign_kernels(model).items()):
-        switch = SWITCHES.get((name, family)) if name else None
+        switch = HUB_SWITCH if family == HUB_KERNELS else SWITCHES.get((name, family)) if name else None
         if family == "Liger" and switch is None and getattr(getattr(trainer, "args", None), "use_liger_kernel", False):
             switch = "use_liger_kernel=False"
         shown = ", ".join(sorted(parts)[:4]) + (f" (+{len(parts) - 4})" if len(parts) > 4 else "")
         found.conflicts.append(f"{family} replaced mindspeed_hf's kernels on {shown}"
                                + (f" (turn off: {switch})" if switch else ""))
-    found.notes.extend(_loss_notes(trainer, name))
+    found.notes.extend(head_notes(model))
     found.notes.extend(_packing_notes(trainer, name, model))
     return found
 
@@ -200,11 +222,34 @@ def describe(trainer: Any, model: Any = None) -> str | None:
     return f"mindspeed_hf: running under {who}; " + "; ".join(parts)
 
 
+def check_sequence_parallel(trainer: Any, model: Any = None) -> None:
+    """Refuse, in one line before any work, accelerate's DeepSpeed Ulysses sequence parallelism
+    (`parallelism_config.sp_size > 1`) on a model whose attention is ours: DeepSpeed wraps the attention named by
+    `sp_attn_implementation` (sdpa or a flash name) and refuses a model configured with another one (a ValueError
+    at accelerator.prepare, deep in the first train() call)."""
+    pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    if pc is None or not getattr(pc, "sp_enabled", False):
+        return
+    from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS
+
+    model = model if model is not None else getattr(trainer, "model", None)
+    attention = compat.attn_implementation(getattr(_unwrap(model), "config", None))
+    if attention == ATTENTION_NAME or attention in OUR_ATTENTIONS:
+        raise ValueError(
+            f"parallelism_config.sp_size={pc.sp_size} (accelerate's {pc.sp_backend} Ulysses sequence parallelism) "
+            f"wraps the attention its sp_attn_implementation names (sdpa or flash), but this model runs "
+            f"mindspeed_hf's attention ({attention!r}): build it with attn_implementation='sdpa' (mindspeed_hf's "
+            "other kernels still apply) or set kernels.attention: false (MINDSPEED_HF_KERNELS_ATTENTION=false); "
+            "mindspeed_hf's own sequence parallelism is parallel.cp (Ulysses / ring, MINDSPEED_HF_PARALLEL_CP)")
+
+
 def log_once(trainer: Any, logger: Any, model: Any = None) -> str | None:
-    """The one call for the Trainer wiring (after Trainer.__init__): `describe` logged once per trainer, as a
-    warning when another package's kernels replaced ours, else at info. Returns the line (None: nothing said)."""
+    """The one call for the Trainer wiring (after Trainer.__init__): an overlap that cannot run refused
+    (check_sequence_parallel), then `describe` logged once per trainer, as a warning when another package's kernels
+    replaced ours, else at info. Returns the line (None: nothing said)."""
     if getattr(trainer, "_mindspeed_framework_logged", False):
         return None
+    check_sequence_parallel(trainer, model)
     found = detect(trainer, model)
     line = describe(trainer, model)
     try:

@@ -121,7 +121,10 @@ def _idle_cause(trainer: Any, idle: list[str], replaced: dict[str, str]) -> str:
 
     causes = []
     owner = next(c for c in type(trainer).__mro__ if "compute_loss" in vars(c))
-    if "fused_linear_cross_entropy" in idle and owner is not Trainer:
+    heads = frameworks.head_notes(trainer.model) if "fused_linear_cross_entropy" in idle else []
+    if heads:  # a loss head installed on the model after Trainer.__init__ (TRL's), named as what ran instead
+        causes.extend(heads)
+    elif "fused_linear_cross_entropy" in idle and owner is not Trainer:
         causes.append(f"{owner.__module__}.{owner.__qualname__}.compute_loss computes the loss itself, so the "
                       "fused loss is not reached")
     if replaced:

@@ -40,6 +40,13 @@ def framework_env(accelerated: bool, dump: Path | None = None, extra: dict | Non
     return env
 
 
+def npu_env(**extra: str) -> dict[str, str]:
+    """What an accelerated framework run needs on the npu path without an NPU: the stand-in torch_npu on the path
+    beside the hook, MINDSPEED_HF_BACKEND=npu, and the hook counting the stand-in's attention calls."""
+    return {"PYTHONPATH": os.pathsep.join([str(HOOK), str(REPO / "tests" / "npu_standin")]),
+            "MINDSPEED_HF_BACKEND": "npu", "MSHF_TEST_COUNT_NPU": "1", "DS_ACCELERATOR": "cpu", **extra}
+
+
 def run(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: int = 900) -> str:
     with open(log, "w") as f:
         proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)

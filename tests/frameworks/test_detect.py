@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 from torch import nn
 
 from mindspeed_hf.trainers import frameworks
@@ -75,7 +76,7 @@ def test_peft_wrapper_is_looked_through():
     assert "Liger" in frameworks.foreign_kernels(wrapper)
 
 
-def test_swift_compute_loss_note():
+def test_swift_compute_loss_is_no_note():
     from transformers import Trainer
 
     swift_cls = type("Seq2SeqTrainer", (Trainer,), {"__module__": "swift.trainers.seq2seq_trainer",
@@ -84,7 +85,9 @@ def test_swift_compute_loss_note():
     trainer.model = _Model(nn.Linear(2, 2))
     trainer.args = types.SimpleNamespace(use_liger_kernel=False)
     found = frameworks.detect(trainer)
-    assert found.name == "ms-swift" and any("fused loss does not run" in n for n in found.notes)
+    # whether the fused loss runs is read from the counters after train(), not guessed from an overridden
+    # compute_loss (ms-swift's calls the model with labels: the fused loss runs there, tests/frameworks/test_swift)
+    assert found.name == "ms-swift" and found.notes == []
 
 
 def test_log_once_warns_on_conflict_and_says_it_once(caplog):
@@ -98,3 +101,55 @@ def test_log_once_warns_on_conflict_and_says_it_once(caplog):
         assert frameworks.log_once(trainer, logger) is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "Liger" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_trl_fused_head_is_named_as_what_computes_the_loss():
+    """TRL's chunked LM head (trl add_fused_lm_head, installed on the model instance after Trainer.__init__) is
+    found by the code it runs, and named as what computes the loss instead of our fused loss."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    if not hasattr(trl_utils, "add_fused_lm_head"):
+        pytest.skip("TRL's fused LM head was added in trl 1.15.0")
+    from tiny_models import tiny_model
+
+    model = tiny_model("qwen3")
+    assert frameworks.head_notes(model) == []
+    trl_utils.add_fused_lm_head(model)
+    notes = frameworks.head_notes(model)
+    assert len(notes) == 1 and "TRL computes the loss with its own chunked LM head" in notes[0]
+    assert frameworks.detect(_trainer("trl.trainer.sft_trainer", model)).notes == notes
+
+
+def test_transformers_hub_kernels_are_named_with_their_switch():
+    """transformers' hub kernels (from_pretrained(use_kernels=...), on by default in 5.25 where the `kernels` package
+    is installed) give a layer an instance forward from a hub repository (kernelize: `module.forward` and
+    `module._kernel_repo`); the layers where that replaced ours are named, once per class, with the switches."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("qwen3")
+    for norm in (model.model.norm, model.model.layers[0].input_layernorm):  # what kernelize leaves on a layer
+        norm.forward = types.MethodType(lambda self, x: x, norm)
+        norm.__dict__["_kernel_repo"] = types.SimpleNamespace(repo_id="kernels-community/liger_kernels")
+    found = frameworks.detect(_trainer("transformers.trainer", model))
+    assert found.conflicts == [f"{frameworks.HUB_KERNELS} replaced mindspeed_hf's kernels on Qwen3RMSNorm.forward "
+                               f"(kernels-community/liger_kernels) (turn off: {frameworks.HUB_SWITCH})"]
+
+
+def test_accelerate_sequence_parallel_refused_on_our_attention():
+    """accelerate's DeepSpeed Ulysses sequence parallelism wraps the attention named by sp_attn_implementation and
+    DeepSpeed refuses a model configured with another (at accelerator.prepare): refused in one line when the trainer
+    is built, naming both ways out; a model kept on sdpa goes on."""
+    from tiny_models import tiny_model
+
+    parallelism = types.SimpleNamespace(sp_size=2, sp_backend="deepspeed", sp_enabled=True)
+    model = tiny_model("qwen3")
+    model.config._attn_implementation = "mindspeed"
+    trainer = _trainer("transformers.trainer", model)
+    trainer.accelerator = types.SimpleNamespace(parallelism_config=parallelism)
+    with pytest.raises(ValueError, match=r"parallelism_config.sp_size=2 .* runs mindspeed_hf's attention "
+                                         r"\('mindspeed'\): build it with attn_implementation='sdpa'"):
+        frameworks.check_sequence_parallel(trainer)
+    model.config._attn_implementation = "sdpa"
+    frameworks.check_sequence_parallel(trainer)
+    parallelism.sp_enabled = False
+    model.config._attn_implementation = "mindspeed"
+    frameworks.check_sequence_parallel(trainer)

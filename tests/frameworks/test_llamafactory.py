@@ -15,7 +15,15 @@ import pytest
 
 pytest.importorskip("llamafactory")
 
-from fw_runs import framework_env, losses_from_log_history, max_diff, read_dump, run, tiny_assets  # noqa: E402
+from fw_runs import (  # noqa: E402
+    framework_env,
+    losses_from_log_history,
+    max_diff,
+    npu_env,
+    read_dump,
+    run,
+    tiny_assets,
+)
 
 TOL = 1e-5
 
@@ -36,6 +44,9 @@ VARIANTS = {
     "lora": dict(finetuning_type="lora", lora_target="all", lora_rank=8, learning_rate=5.0e-3),
     "packing": dict(packing=True),
     "neat_packing": dict(packing=True, neat_packing=True),
+    # on the npu path (the stand-in torch_npu): LLaMA-Factory's block-diagonal 4-D mask read as the documents, every
+    # attention call one packed TND call (before: the masked torch path, with a fallback warning)
+    "neat_packing_npu": dict(packing=True, neat_packing=True),
 }
 
 
@@ -50,14 +61,16 @@ def _cli() -> str:
     return str(cli)
 
 
-def _train(tmp: Path, model: Path, data: Path, changes: dict, accelerated: bool) -> tuple[list[float], dict, str]:
+def _train(tmp: Path, model: Path, data: Path, changes: dict, accelerated: bool,
+           npu: bool = False) -> tuple[list[float], dict, str]:
     tag = "accelerated" if accelerated else "plain"
     out = tmp / tag
     config = {**BASE, **changes, "model_name_or_path": str(model), "dataset_dir": str(data), "output_dir": str(out)}
     cfg = tmp / f"{tag}.yaml"  # JSON is YAML; LLaMA-Factory 0.9.5 fails reading a .json config (json.load on a Path)
     cfg.write_text(json.dumps(config, indent=1))
     dump = tmp / f"{tag}_report.json"
-    env = framework_env(accelerated, dump, {"HF_DATASETS_CACHE": str(tmp / f"{tag}_cache")})
+    env = framework_env(accelerated, dump, {"HF_DATASETS_CACHE": str(tmp / f"{tag}_cache"),
+                                            **(npu_env() if npu and accelerated else {})})
     log = run([_cli(), "train", str(cfg)], env, tmp, tmp / f"{tag}.log")
     state = out / "trainer_state.json"
     losses = losses_from_log_history(state if state.exists() else out / "trainer_log.jsonl")
@@ -68,8 +81,9 @@ def _train(tmp: Path, model: Path, data: Path, changes: dict, accelerated: bool)
 def test_llamafactory_cli_matches_plain(variant, assets, tmp_path):
     model, data = assets
     changes = VARIANTS[variant]
+    npu = variant.endswith("_npu")
     plain, _, _ = _train(tmp_path, model, data, changes, accelerated=False)
-    fast, dump, log = _train(tmp_path, model, data, changes, accelerated=True)
+    fast, dump, log = _train(tmp_path, model, data, changes, accelerated=True, npu=npu)
     assert len(plain) == 8, plain
     diff = max_diff(plain, fast)
     print(f"llamafactory {variant}: max per-step loss difference {diff:.3g} over {len(plain)} steps")
@@ -81,6 +95,10 @@ def test_llamafactory_cli_matches_plain(variant, assets, tmp_path):
         assert ran.get(op, 0) > 0, (op, ran)
     assert dump["framework"] == "LLaMA-Factory"
     assert dump["conflicts"] == [], dump["conflicts"]
+    if npu:  # what the stand-in ran agrees with report(): packed TND calls only, none on the torch path
+        calls = dump["npu_fusion_attention"]
+        assert set(calls) == {"TND"} and calls["TND"] == ran["attention"], (calls, ran)
+        assert "npu_fusion_attention cannot run" not in log
     if variant == "gc_accum":
         assert dump["hf_gradient_checkpointing"], "LLaMA-Factory did not turn gradient checkpointing on"
     assert "mindspeed_hf:" in log

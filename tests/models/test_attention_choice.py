@@ -57,3 +57,35 @@ def test_explicit_choice_gives_hf_results():
         got = model(input_ids=ids).logits
     assert model.config._attn_implementation == "eager"
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_flash_names_taken_only_when_asked():
+    """kernels.take_flash_attention: a flash_attention_2 / _3 request (ms-swift's --attn_impl flash_attn for its
+    padding-free rows) runs our attention, packed rows kept apart, equal to HF's sdpa on the same packed batch;
+    without the setting the request stays HF's (which needs the flash_attn package)."""
+    from tiny_models import assert_close_grads, loss_and_grads, packed_batch
+    from transformers.utils import is_flash_attn_2_available
+
+    from mindspeed_hf.config import config_from_dict
+
+    batch = packed_batch()
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(tiny_config("qwen3"), attn_implementation="sdpa")
+    expected = loss_and_grads(reference, batch)
+    mindspeed_hf.enable(config_from_dict({"kernels": {"take_flash_attention": True}}))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3"), attn_implementation="flash_attention_2")
+    assert model.config._attn_implementation == "mindspeed"
+    assert mindspeed_hf.report(model)["kept"] == {}
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
+    assert_close_grads(expected[1], grads)
+    model.set_attn_implementation("flash_attention_3")
+    assert model.config._attn_implementation == "mindspeed"
+    mindspeed_hf.enable(config_from_dict({}))
+    if is_flash_attn_2_available():  # a machine with the package: HF's own flash attention is kept
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3"), attn_implementation="flash_attention_2")
+        assert model.config._attn_implementation == "flash_attention_2"
+        return
+    with pytest.raises(ImportError, match="FlashAttention2"):
+        AutoModelForCausalLM.from_config(tiny_config("qwen3"), attn_implementation="flash_attention_2")

@@ -95,6 +95,25 @@ def test_every_way_of_reading_gives_the_same_tensor(made):
     assert made == [(2, 12, 128)] * 3 and "tensor(" in repr(outputs.logits) and len(made) == 3
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])  # gemma2: its softcap applied before the argmax
+def test_a_top1_reader_gets_hf_argmax_without_logits(family, made):
+    """A token-accuracy reader (`outputs.logits.argmax(-1)`, ms-swift's) gets HF's top-1 per position from the
+    chunked pass, the logits never built; also through a widening cast (accelerate's output conversion)."""
+    _, hf_out, _ = _run(family, False, None)
+    hf_logits = hf_out.logits.detach()
+    _, outputs, _ = _run(family, True, None)
+    for read in (lambda x: x.argmax(-1), lambda x: x.argmax(dim=-1), lambda x: torch.argmax(x, dim=2),
+                 lambda x: x.double().argmax(-1)):
+        top1 = read(outputs.logits)
+        assert type(top1) is torch.Tensor and top1.dtype == torch.long and top1.shape == hf_logits.shape[:-1]
+        # HF's top-1, up to near-ties (the two models' hidden states differ in the last bits)
+        assert (hf_logits.gather(-1, top1[..., None]).squeeze(-1) >= hf_logits.amax(-1) - 1e-5).all()
+        assert (top1 == hf_logits.argmax(-1)).float().mean() > 0.9
+    assert made == []
+    assert torch.equal(outputs.logits.argmax(-1, keepdim=True), hf_out.logits.argmax(-1, keepdim=True))
+    assert made == [(2, 12, 128)]  # any other reading builds the logits
+
+
 def test_under_autocast_the_logits_have_hf_dtype():
     read = {}
     for accelerated in (False, True):

@@ -300,12 +300,13 @@ def test_npu_keeps_padding_in_place_without_gathers(monkeypatch):
 
 def _count_calls(monkeypatch):
     npu = import_torch_npu()
-    counts = {"op": 0, "build": [], "layouts": []}
+    counts = {"op": 0, "build": [], "layouts": [], "ends": []}
     real_op, real_build = npu.npu_fusion_attention, varlen.build_varlen_info
 
     def op(*args, **kwargs):
         counts["op"] += 1
         counts["layouts"].append(args[4])
+        counts["ends"].append(tuple(kwargs.get("actual_seq_qlen") or ()))
         return real_op(*args, **kwargs)
 
     def build(source, kind):
@@ -360,6 +361,126 @@ def test_npu_collator_batch_uses_cu_seq_lens(monkeypatch):
     assert counts["layouts"] == ["TND", "TND"]
     torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
     assert_close_grads(grads_ref, grads)
+
+
+# Three documents (5, 7, 9 tokens) and 3 padding tokens, as packing frameworks hand them over.
+_DOCS = (5, 7, 9)
+
+
+def _documents_batch() -> tuple[dict, dict]:
+    """(the documents packed in one row, with position ids restarting and the collator's cu_seq_lens; the same
+    documents right-padded, one per row), labels summed over one divisor so the losses compare."""
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.randint(1, 100, (n,), generator=gen) for n in _DOCS]
+    flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(
+        [{"input_ids": d.tolist()} for d in docs])
+    items = sum(n - 1 for n in _DOCS)
+    padded = {"input_ids": torch.zeros(len(docs), max(_DOCS), dtype=torch.long),
+              "attention_mask": torch.zeros(len(docs), max(_DOCS), dtype=torch.long),
+              "labels": torch.full((len(docs), max(_DOCS)), -100)}
+    for row, doc in enumerate(docs):
+        padded["input_ids"][row, :len(doc)] = padded["labels"][row, :len(doc)] = doc
+        padded["attention_mask"][row, :len(doc)] = 1
+    return {**flat, "num_items_in_batch": items, "use_cache": False}, {**padded, "num_items_in_batch": items}
+
+
+def _block_diagonal(lengths, pad: int, dtype) -> torch.Tensor:
+    """LLaMA-Factory's neat_packing mask: [1, 1, S, S], causal inside each document, padding queries see nothing;
+    additive float (0 / the dtype's lowest) or bool (True = attend)."""
+    index = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)] + [torch.zeros(pad, dtype=torch.long)])
+    seq = index.numel()
+    allowed = (index[:, None] == index[None, :]) & (index[None, :] != 0) & torch.ones(seq, seq).tril().bool()
+    if dtype == torch.bool:
+        return allowed[None, None]
+    return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+
+
+def _model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("qwen3"), attn_implementation="sdpa").float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_npu_block_diagonal_mask_runs_packed(dtype, monkeypatch):
+    """A block-diagonal causal 4-D mask (LLaMA-Factory's neat_packing) runs as packed documents (TND, one sequence
+    per document, the padding in pieces of its own), equal to HF's sdpa on the same mask and to the documents
+    padded; one read of the mask per forward."""
+    from mindspeed_hf.ops import registry
+
+    packed, padded = _documents_batch()
+    pad = 3
+    batch = {"input_ids": torch.nn.functional.pad(packed["input_ids"], (0, pad)),
+             "labels": torch.nn.functional.pad(packed["labels"], (0, pad), value=-100),
+             "position_ids": torch.nn.functional.pad(packed["position_ids"], (0, pad)),
+             "attention_mask": _block_diagonal(_DOCS, pad, dtype), "use_cache": False,
+             "num_items_in_batch": packed["num_items_in_batch"]}
+    model = _model()
+    loss_ref, grads_ref = loss_and_grads(model, batch)
+    loss_padded, _ = loss_and_grads(model, padded)
+    torch.testing.assert_close(loss_ref, loss_padded, atol=1e-5, rtol=1e-5)
+    registry.set_backend("npu")
+    counts = _count_calls(monkeypatch)
+    model.set_attn_implementation(attention.ATTENTION_NAME)
+    loss, grads = loss_and_grads(model, batch)
+    assert counts["layouts"] == ["TND", "TND"] and counts["build"] == ["block_causal"]
+    assert counts["ends"][0] == (5, 12, 21, 24)
+    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+    assert_close_grads(grads_ref, grads)
+
+
+def test_block_causal_recognised_exactly():
+    """Only an exactly block-diagonal causal pattern reads as documents; a hole, a window, a bias, a non-causal
+    block or a query seeing padding keep the masked path."""
+    mask = _block_diagonal((3, 4), 2, torch.float32)
+    assert varlen.block_causal_info(mask).cu_seqlens == (3, 7, 9)
+    assert varlen.block_causal_info(mask == 0).cu_seqlens == (3, 7, 9)
+    one = varlen.block_causal_info(_block_diagonal((9,), 0, torch.bool))
+    assert one.cu_seqlens == (9,) and one.is_dense(1)
+    allowed = mask[0, 0] == 0
+    others = {"hole": allowed.clone(), "window": allowed & ~torch.ones(9, 9).tril(-3).bool(),
+              "full block": allowed.clone(), "sees padding": allowed.clone()}
+    others["hole"][5, 4] = False
+    others["full block"][0, 1] = True
+    others["sees padding"][8, 7] = True
+    for name, pattern in others.items():
+        assert varlen.block_causal_info(pattern[None, None]) is None, name
+    biased = mask.clone()
+    biased[0, 0, 4, 3] = -2.0  # an additive bias, not a boundary
+    assert varlen.block_causal_info(biased) is None
+
+
+def test_npu_other_4d_masks_fall_back_saying_why(caplog, monkeypatch):
+    from mindspeed_hf.ops import registry
+
+    monkeypatch.setattr(attention, "_warned", set())  # said once per process: an earlier test may have said it
+
+    registry.set_backend("npu")
+    qkv = _qkv(1, 9)
+    mask = _block_diagonal((3, 6), 0, torch.bool)
+    mask[0, 0, 8, 4] = False  # a hole: not documents
+    expected, _ = sdpa_attention_forward(_Attn(), *qkv, mask, scaling=SCALE)
+    with caplog.at_level(logging.WARNING, logger="mindspeed_hf"):
+        out, _ = attention.attention_forward(_Attn(), *qkv, mask, scaling=SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert "not block-diagonal causal" in caplog.text and "cached decoding" not in caplog.text
+
+
+def test_cu_seq_lens_alone_keep_documents_apart(backend, monkeypatch):
+    """A packed row told apart only by the collator's cu_seq_lens (no position ids, as flash attention reads it):
+    each document attends to itself on every backend (TND on npu), equal to the documents padded; HF's sdpa,
+    which reads no cu_seq_lens, attends across them (the control)."""
+    packed, padded = _documents_batch()
+    batch = {k: v for k, v in packed.items() if k != "position_ids"}
+    model = _model()
+    loss_ref, grads_ref = loss_and_grads(model, padded)
+    assert (loss_and_grads(model, batch)[0] - loss_ref).abs() > 1e-3  # HF's sdpa crosses the documents
+    counts = _count_calls(monkeypatch)
+    model.set_attn_implementation(attention.ATTENTION_NAME)
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+    assert_close_grads(grads_ref, grads)
+    if backend == "npu":
+        assert counts["layouts"] == ["TND", "TND"] and counts["ends"][0] == (5, 12, 21)
 
 
 # ------------------------------------------------------------------------------------------------ registration

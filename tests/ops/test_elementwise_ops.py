@@ -103,6 +103,18 @@ def test_rope_matches_hf(hf_rope, rotary_frac, dtype, backend):
     _check((*ours, *ours_grads), (*ref, *ref_grads), dtype)
 
 
+def test_rope_with_fp32_tables_on_bf16_heads_is_hf(backend):
+    """Under autocast q / k leave their projection in bf16 while cos / sin stay fp32: HF's `q * cos` promotes and
+    returns fp32; so does ours (npu_rotary_mul takes one dtype: the promoted one)."""
+    q = _leaf(2, 4, 9, 16, dtype=torch.bfloat16, seed=6)
+    k = _leaf(2, 2, 9, 16, dtype=torch.bfloat16, seed=7)
+    emb = torch.randn(2, 9, 8).repeat(1, 1, 2)
+    ref = modeling_llama.apply_rotary_pos_emb(q, k, emb.cos(), emb.sin())
+    ours = apply_rotary_pos_emb(q, k, emb.cos(), emb.sin())
+    assert [t.dtype for t in ours] == [t.dtype for t in ref] == [torch.float32] * 2
+    _check(ours, ref, torch.float32)
+
+
 def test_rope_bsnd_layout(backend):
     q = _leaf(2, 9, 4, 16, dtype=torch.float32, seed=4)  # [B, S, N, D] with unsqueeze_dim=2
     k = _leaf(2, 9, 2, 16, dtype=torch.float32, seed=5)

@@ -83,6 +83,17 @@ def test_hf_gradient_checkpointing_is_full_unless_the_config_says_otherwise(tmp_
     assert all(layer.gradient_checkpointing for layer in decoder_layers(trainer.model))
     _assert_bitwise(expected, _trained(trainer))
 
+    # A trainer that switches checkpointing off around a no-grad forward and back on (TRL's DPO, every step) gets
+    # ours back (before: the switch-on was swallowed and whole-layer recompute stayed off for good)
+    model = trainer.model
+    model.gradient_checkpointing_disable()
+    assert not any(layer.gradient_checkpointing for layer in decoder_layers(model))
+    model.gradient_checkpointing_enable({"use_reentrant": True})
+    layers = decoder_layers(model)
+    assert all(layer.gradient_checkpointing for layer in layers)
+    # non-reentrant (ours), not the caller's kwargs: the layer's checkpoint function is bound with use_reentrant=False
+    assert layers[0]._gradient_checkpointing_func.keywords.get("use_reentrant") is False
+
     monkeypatch.setenv("MINDSPEED_HF_MEMORY_RECOMPUTE", "selective")  # a source that sets it wins
     trainer = _plain(tmp_path, "env_selective", **{SWITCH: True})
     assert run_of(trainer).config.memory.recompute_mode == "selective"

@@ -1,7 +1,8 @@
 """The test's hook for a framework's own command line: the user's one line, `import mindspeed_hf`, plus (when
 MSHF_TEST_DUMP=path.json is set) a TrainerCallback that writes, at the end of training, what ran on the
 trained model: mindspeed_hf.report(model) ("ran": op -> executions of our kernels), whether HF's gradient
-checkpointing was on, and the framework check (mindspeed_hf.trainers.frameworks.describe)."""
+checkpointing was on, the framework check (mindspeed_hf.trainers.frameworks.describe), how often deferred logits
+were built, and (MSHF_TEST_COUNT_NPU=1) the stand-in's npu_fusion_attention calls by layout."""
 
 import os
 
@@ -31,32 +32,40 @@ if _DUMP:
                            "hf_gradient_checkpointing": bool(getattr(inner, "is_gradient_checkpointing", False)),
                            "framework": found.name, "conflicts": found.conflicts,
                            "message": frameworks.describe(self.trainer),
-                           "trainer": type(self.trainer).__name__}, f, default=str, indent=1)
+                           "trainer": type(self.trainer).__name__, **_counts}, f, default=str, indent=1)
 
-    def _swift_fused_loss(trainer):
-        """The proposed adapter for ms-swift (docs/frameworks.md), tried from outside: its compute_loss inside our
-        logits-unread window, and the logits its template hands back None instead of SkippedLogits, so ms-swift
-        skips its token accuracy as it does for Liger. Whenever ms-swift computes the loss itself it pops the labels
-        first, so the model never skips logits there."""
-        from mindspeed_hf.patches import causal_lm, scope
+    _counts = {"logits_built": 0, "npu_fusion_attention": {}}
 
-        compute_loss = trainer.compute_loss
+    def _count_logits_built() -> None:
+        """How often deferred logits were built (a reader that needed the [tokens, vocab] logits)."""
+        from mindspeed_hf.patches.lazy_logits import DeferredLogits
 
-        def windowed(model, inputs, return_outputs=False, num_items_in_batch=None):
-            with scope.logits_unread_window():
-                return compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+        materialize = DeferredLogits.materialize
 
-        compute_sft_loss = trainer.template.compute_sft_loss
+        def counted(self):
+            if self._value is None:
+                _counts["logits_built"] += 1
+            return materialize(self)
 
-        def sft_loss(*args, **kwargs):
-            outputs = compute_sft_loss(*args, **kwargs)
-            if isinstance(getattr(outputs, "logits", None), causal_lm.SkippedLogits):
-                outputs.logits = None
-            return outputs
+        DeferredLogits.materialize = counted
 
-        trainer.compute_loss = windowed
-        trainer.template.compute_sft_loss = sft_loss
+    def _count_npu_attention() -> None:
+        """The stand-in torch_npu's npu_fusion_attention calls by layout (MSHF_TEST_COUNT_NPU=1, with
+        MINDSPEED_HF_BACKEND=npu and tests/npu_standin on PYTHONPATH): what ran, to set beside report()."""
+        import torch_npu
+
+        real = torch_npu.npu_fusion_attention
+
+        def counted(*args, **kwargs):
+            layout = args[4] if len(args) > 4 else kwargs.get("input_layout")
+            _counts["npu_fusion_attention"][layout] = _counts["npu_fusion_attention"].get(layout, 0) + 1
+            return real(*args, **kwargs)
+
+        torch_npu.npu_fusion_attention = counted
+
+    _count_logits_built()
+    if os.environ.get("MSHF_TEST_COUNT_NPU"):
+        _count_npu_attention()
 
     _init = Trainer.__init__
 
@@ -66,7 +75,5 @@ if _DUMP:
     def __init__(self, *args, **kwargs):
         _init(self, *args, **kwargs)
         self.add_callback(_DumpReport(self))
-        if os.environ.get("MSHF_TEST_SWIFT_FUSED") and type(self).__module__.startswith("swift."):
-            _swift_fused_loss(self)
 
     Trainer.__init__ = __init__
