@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .schema import SETTINGS, MindSpeedConfig, build
+from .schema import MindSpeedConfig, build
 from .sources import Layer, accelerator_layer, process_layers, trainer_layers
 
 logger = logging.getLogger("mindspeed_hf")
@@ -70,7 +70,7 @@ class ResolvedConfig:
 def _merge(lower: list[Layer], explicit: list[Layer], fallback: list[Layer]) -> ResolvedConfig:
     """`lower` layers (lowest first), then the `explicit` ones (all of the top rank: two that disagree are an
     error naming both), then the `fallback` ones (HF's own switches that mean one of our settings), which fill a
-    setting only where every other source left it at its default."""
+    setting only where no other source set it (an explicit `memory.recompute: false` keeps ours off)."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     names: dict[str, str] = {}
@@ -89,7 +89,7 @@ def _merge(lower: list[Layer], explicit: list[Layer], fallback: list[Layer]) -> 
                 chosen.add(path)
     for layer in fallback:
         for path, value in layer.values.items():
-            if values.get(path, SETTINGS[path].default) == SETTINGS[path].default:
+            if path not in values:  # a source that set it, even to its default, wins
                 values[path], sources[path], names[path] = value, layer.source, layer.names.get(path, path)
     return ResolvedConfig(build(values), sources, names, tuple(overrides))
 
@@ -118,7 +118,7 @@ def resolve(explicit: list[Layer] | None = None, *, yaml_source: Any = None, env
     `explicit` layers are all of the top rank: if two of them set one setting to different values, that is an
     error naming both. `base` (a whole config, e.g. the one given to enable()) takes the place of the layers below
     the explicit ones. `fallback` layers (HF's own switches that mean one of our settings, such as
-    TrainingArguments' gradient_checkpointing) fill a setting only where every other source left it at its default.
+    TrainingArguments' gradient_checkpointing) fill a setting only where no other source set it.
     Raises ValueError for unknown keys, bad values and contradictions.
     """
     resolved = resolve_layers(process_layers(yaml_source, env, base), explicit, fallback)

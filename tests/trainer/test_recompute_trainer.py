@@ -94,6 +94,11 @@ def test_hf_gradient_checkpointing_is_full_unless_the_config_says_otherwise(tmp_
     # non-reentrant (ours), not the caller's kwargs: the layer's checkpoint function is bound with use_reentrant=False
     assert layers[0]._gradient_checkpointing_func.keywords.get("use_reentrant") is False
 
+    monkeypatch.setenv("MINDSPEED_HF_MEMORY_RECOMPUTE", "false")  # a source that sets it wins, even to the default
+    trainer = _plain(tmp_path, "env_off", **{SWITCH: True})
+    assert run_of(trainer).config.memory.recompute_mode == "off"
+    assert run_of(trainer).resolved.sources["memory.recompute"] == "environment (MINDSPEED_HF_*)"
+
     monkeypatch.setenv("MINDSPEED_HF_MEMORY_RECOMPUTE", "selective")  # a source that sets it wins
     trainer = _plain(tmp_path, "env_selective", **{SWITCH: True})
     assert run_of(trainer).config.memory.recompute_mode == "selective"
