@@ -28,8 +28,8 @@ from packaging.version import Version
 
 __all__ = ["PACKAGES", "SEAMS", "Seam", "available", "check", "missing", "problems"]
 
-#: The packages whose private names may be seams.
-PACKAGES = ("transformers", "accelerate", "peft", "trl", "torch")
+#: The packages whose private names may be seams (diffusers: optional, the `diffusion` extra).
+PACKAGES = ("transformers", "accelerate", "peft", "trl", "torch", "diffusers")
 
 
 @dataclass(frozen=True)
@@ -282,12 +282,49 @@ SEAMS: tuple[Seam, ...] = (
     Seam("_StridedShard", "object", "FSDP's placement over expert parallelism's Shard(0), read back when loading "
          "(parallel/loading.py)", since="2.6", package="torch", owner="torch.distributed.tensor.placement_types",
          without="no such placement exists: every placement is a plain Shard or Replicate"),
+    Seam("PreTrainedModel._check_and_adjust_attn_implementation", "object",
+         "wrapped per family: with kernels.take_flash_attention an explicit flash_attention_2/3 request is ours before "
+         "transformers looks for the flash_attn package or a hub kernel (patches/apply.py)",
+         owner="transformers.PreTrainedModel", feature="kernels.take_flash_attention"),
+    # diffusers (the `diffusion` extra; dated against 0.42.1, the release tested)
+    Seam("_AttentionBackendRegistry", "object",
+         "diffusers' attention backend registry, read to tell the default backend from one the user chose "
+         "(patches/diffusion)", since="0.42.1", package="diffusers", owner="diffusers.models.attention_dispatch",
+         feature="diffusion"),
+    Seam("_AttentionBackendRegistry._active_backend", "object",
+         "the backend diffusers' dispatcher runs now (patches/diffusion)", since="0.42.1", package="diffusers",
+         owner="diffusers.models.attention_dispatch._AttentionBackendRegistry", feature="diffusion"),
+    Seam("_attention_backend", "source",
+         "an attention processor's own backend (set_attention_backend), kept when the user chose it "
+         "(patches/diffusion)", since="0.42.1", package="diffusers", owner="diffusers.models.attention_processor",
+         feature="diffusion"),
+    Seam("_parallel_config", "source",
+         "a processor's cp config: our DenoiserContext is set there, so the attention over the split sequence runs "
+         "over the cp group (parallel/context/denoiser.py, patches/diffusion/wan.py)", since="0.42.1",
+         package="diffusers", owner="diffusers.models.transformers.transformer_wan", feature="diffusion"),
+    Seam("FluxTransformer2DModel._cp_plan", "object",
+         "where a denoiser's sequence is split and gathered under cp (parallel/context/denoiser.py)", since="0.42.1",
+         package="diffusers", owner="diffusers.FluxTransformer2DModel", feature="diffusion"),
+    Seam("FluxTransformer2DModel._repeated_blocks", "object",
+         "a denoiser's transformer blocks, for an unlisted model (patches/diffusion/model.py)", since="0.42.1",
+         package="diffusers", owner="diffusers.FluxTransformer2DModel", feature="diffusion"),
+    Seam("_get_qkv_projections", "object",
+         "Wan's q/k/v projections (fused, PEFT-wrapped) called by our processor call (patches/diffusion/wan.py)",
+         since="0.42.1", package="diffusers", owner="diffusers.models.transformers.transformer_wan",
+         feature="diffusion"),
+    Seam("_get_added_kv_projections", "object",
+         "Wan image-to-video's image k/v projections, likewise (patches/diffusion/wan.py)", since="0.42.1",
+         package="diffusers", owner="diffusers.models.transformers.transformer_wan", feature="diffusion"),
 )
 
 
-def _installed(package: str) -> Version:
-    """The installed release of `package` (a local suffix such as torch's "+cpu" kept: it compares after)."""
-    return Version(importlib.import_module(package).__version__)
+def _installed(package: str) -> Version | None:
+    """The installed release of `package` (a local suffix such as torch's "+cpu" kept: it compares after); None for
+    an optional package that is not installed (diffusers)."""
+    try:
+        return Version(importlib.import_module(package).__version__)
+    except ImportError:
+        return None
 
 
 def _transformers_version() -> Version:
@@ -374,6 +411,8 @@ def in_range(seam: Seam, version: Version | None = None) -> bool:
     the seam's dates."""
     if seam.package != "transformers" or version is None:
         version = _installed(seam.package)
+    if version is None:  # an optional package that is not installed: nothing of it is used
+        return False
     release = Version(version.base_version)
     return release >= Version(seam.since) and (seam.until is None or release < Version(seam.until))
 

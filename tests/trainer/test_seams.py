@@ -27,6 +27,8 @@ PACKAGE = pathlib.Path(mindspeed_hf.__file__).parent
 @pytest.mark.parametrize("seam", seams.SEAMS, ids=lambda s: s.name)
 def test_each_seam_exists_in_the_installed_release(seam):
     installed = seams._installed(seam.package)
+    if installed is None:
+        pytest.skip(f"{seam.name}: {seam.package} is not installed here")
     if not seams.in_range(seam):
         pytest.skip(f"{seam.name}: {seam.package} {seam.since}..{seam.until}; not used on {installed}")
     assert seams._present(seam), f"{seam.package} {installed} has no {seam.name}: {seam.why}"
@@ -39,7 +41,10 @@ def test_every_replaced_trainer_method_is_a_listed_seam():
 
 # ------------------------------------------------------------------------------- the scan for private names
 #: Private names of other code that are not seams (not one of the supported packages).
-NOT_SEAMS = {"_actions": "argparse.ArgumentParser's actions (Python's standard library)"}
+NOT_SEAMS = {"_actions": "argparse.ArgumentParser's actions (Python's standard library)",
+             "_kernel_repo": "the `kernels` package's mark on a layer it kernelized (transformers' hub kernels): read "
+                             "only to name such a layer among the conflicts (trainers/frameworks.py); kernels is an "
+                             "optional package none of our environments installs"}
 _GETATTR = {"getattr", "setattr", "hasattr", "delattr"}
 _MAPPING_METHODS = {"get", "pop", "setdefault"}  # vars(obj).pop("_x") / obj.__dict__.get("_x")
 
