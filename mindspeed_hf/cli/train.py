@@ -189,11 +189,12 @@ def check_parallel_sizes(run: RunConfig, args: Any) -> Any:
 
     if not mindspeed_hf.is_enabled():
         return None
-    from ..runtime import resolve_plan
-    from ..trainers.arguments import resolve_for
+    from ..runtime import resolve_config, resolve_plan
+    from ..trainers import deepspeed
 
-    return resolve_plan(args, resolve_for(args, base=run.mindspeed), world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                        announce=False)
+    resolved = resolve_config(args)  # the trainer's own resolution (the run file's settings ride on `args`)
+    deepspeed.check_exclusive(args, resolved)  # the trainer's first check too
+    return resolve_plan(args, resolved, world_size=int(os.environ.get("WORLD_SIZE", "1")), announce=False)
 
 
 def check_resume(args: Any) -> None:
@@ -227,8 +228,6 @@ def run_training(run: RunConfig, args: Any = None, metrics_file: str | None = No
     accelerated = mindspeed_hf.is_enabled()
     if args is None:
         args = training_args_for(run)
-    if accelerated:
-        mindspeed_hf.enable(run.mindspeed)  # class patches follow the run's features
     tokenizer = load_tokenizer(run.model)
     train_rows, eval_rows = split_rows(run.data, args.seed)
     train_ds = tokenize_rows(train_rows, tokenizer, run.data)
