@@ -36,20 +36,24 @@ def one_line(err: BaseException) -> str:
 
 
 def _hook(kind: type, value: BaseException, traceback: Any, previous: Any) -> None:
-    if not getattr(value, _MARK, False) or debug_requested():
+    mark = getattr(value, _MARK, None)
+    if not mark or debug_requested():
         previous(kind, value, traceback)
         return
-    if os.environ.get("RANK", "0") == "0":  # every rank finds the same mistake: rank 0 says it
-        print(f"mindspeed_hf: error: {one_line(value)} (MINDSPEED_HF_LOG_LEVEL=DEBUG shows the traceback)",
+    rank = os.environ.get("RANK", "0")
+    if rank == "0" or mark == "every rank":  # the same mistake everywhere: rank 0 says it; a rank's own: it says it
+        where = f" (rank {rank})" if rank != "0" else ""
+        print(f"mindspeed_hf{where}: error: {one_line(value)} (MINDSPEED_HF_LOG_LEVEL=DEBUG shows the traceback)",
               file=sys.stderr, flush=True)
     else:  # under a launcher: let rank 0's line out before this exit makes the launcher stop the group
         time.sleep(2)
 
 
-def say_once_if_uncaught(err: E) -> E:
+def say_once_if_uncaught(err: E, every_rank: bool = False) -> E:
     """Mark `err` (returned, to be raised): if it reaches the top of the program uncaught it is printed as one line
-    by rank 0 and the process exits with status 1, no traceback (unless MINDSPEED_HF_LOG_LEVEL=DEBUG)."""
-    setattr(err, _MARK, True)
+    by rank 0 and the process exits with status 1, no traceback (unless MINDSPEED_HF_LOG_LEVEL=DEBUG).
+    `every_rank`: a failure that may be one rank's own (its disk, its files): every rank that meets it says it."""
+    setattr(err, _MARK, "every rank" if every_rank else "rank 0")
     current = sys.excepthook
     if not getattr(current, _MARK, False):  # ours outermost (torch's rank-prefixing hook may wrap it later)
         def excepthook(kind: type, value: BaseException, traceback: Any) -> None:

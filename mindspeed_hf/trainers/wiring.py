@@ -25,7 +25,7 @@ from ..moe import with_load
 from ..patches import scope
 from ..patches.engine import PatchSet
 from ..runtime import run_of
-from . import batching, deepspeed, fsdp, lifecycle, seams
+from . import batching, deepspeed, fsdp, lifecycle, seams, starting
 from .context import split_inputs
 from .notices import ddp_notice_held
 
@@ -73,7 +73,7 @@ def _wrap_create_accelerator(original: Callable) -> Callable:
 def _wrap_train(original: Callable) -> Callable:
     @functools.wraps(original)
     def train(self, *args: Any, **kwargs: Any):
-        args, kwargs = fsdp.resolve_train_call(self, args, kwargs)
+        args, kwargs = starting.resolve_train_call(self, args, kwargs)
         with lifecycle.during_train(self):
             return original(self, *args, **kwargs)
 
