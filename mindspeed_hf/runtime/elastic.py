@@ -9,11 +9,15 @@ told what it must do (its script owns resuming: `Accelerator.load_state`).
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["RESTART_VARIABLES", "Restart", "restart"]
+__all__ = ["RESTART_VARIABLES", "Restart", "check_launcher", "restart"]
+
+logger = logging.getLogger("mindspeed_hf")
 
 #: the launchers' restart counters, in the order they are read
 RESTART_VARIABLES = {"TORCHELASTIC_RESTART_COUNT": "torchrun restart", "SLURM_RESTART_COUNT": "SLURM requeue"}
@@ -38,3 +42,19 @@ def restart(env: Mapping[str, str] | None = None) -> Restart | None:
         if text.isdigit() and int(text) > 0:
             return Restart(name, int(text))
     return None
+
+
+@functools.cache
+def check_launcher() -> None:
+    """Once per process, rank 0: torchrun with restarts and its rendezvous store shared with the workers (torch's
+    default) keeps the previous attempt's process-group addresses, so a restarted attempt's process groups may fail
+    to connect (pytorch/pytorch#135712; seen with torch 2.13 and gloo as soon as a job has more than the default
+    group, as every FSDP2 mesh does): say how to launch instead."""
+    env = os.environ
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
+    if (restarts.isdigit() and int(restarts) > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and env.get("RANK", "0") == "0"):
+        logger.warning("mindspeed_hf: torchrun --max-restarts %s shares its rendezvous store with the workers: a "
+                       "restarted attempt may fail to connect its process groups (the previous attempt's addresses "
+                       "are still in it); launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for restarts that work",
+                       restarts)

@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import say_once_if_uncaught
 from ..parallel.checkpoint import COMPLETE_MARKER, _barrier, _rank, is_complete_checkpoint, mark_complete, unmark
-from ..runtime import run_of
+from ..runtime import run_of, watchdog
 from . import export_background
 from .readable import unreadable_file
 
@@ -244,7 +244,13 @@ def _drop_stale_saves(run_dir: str, step: int) -> None:
 
 def save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any) -> None:
     """Trainer's own `_save_checkpoint` (bound `original`), made atomic: staging while it writes, the COMPLETE
-    marker once every rank is done, then Trainer's rotation. Collective under torch.distributed."""
+    marker once every rank is done, then Trainer's rotation. Collective under torch.distributed. The hang watch
+    knows this rank is saving (rank 0 may write, or wait for the previous export, while the others wait)."""
+    with watchdog.saving():
+        _save_checkpoint(trainer, original, *args, **kwargs)
+
+
+def _save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any) -> None:
     held: list[Callable[[], None]] = []
     run = run_of(trainer)
     run.checkpoint_dir = None  # "inside a checkpoint save": save_model records the directory
