@@ -36,10 +36,10 @@ commands:
         the expert load of a Trainer run on a MoE model (OUTPUT_DIR/moe_load.jsonl): per layer, the busiest expert
         over the mean at the first and last logged interval and over the run; --plot: the heatmap of each layer's
         token share per expert, and each layer's imbalance per step (needs the [plot] extra)
-  export CHECKPOINT OUT [--merge-lora] [--dtype bf16|fp16|fp32] [--shard-size 5GB] [--push-to-hub ID]
+  export CHECKPOINT OUT [--merge-lora] [--dtype bf16|fp16|fp32] [--shard-size 5GB] [--push-to-hub ID] [--overwrite]
         a checkpoint of any layout (sharded DCP or not; a PEFT run: its adapter, or with --merge-lora the merged
         model) as a Hugging Face directory, in one CPU process, streamed one output file at a time; --push-to-hub
-        uploads it to that Hub repository
+        uploads it to that Hub repository. OUT must be new or empty; --overwrite replaces the model files there
 """
 
 
@@ -310,6 +310,8 @@ def cmd_export(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: as saved")
     parser.add_argument("--shard-size", default="5GB", help="the largest safetensors file (default 5GB)")
     parser.add_argument("--push-to-hub", metavar="ID", default=None, help="upload the directory to this Hub repository")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="OUT may hold files: the model files there are replaced (default: OUT new or empty)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     own = parser.parse_args(argv)
 
@@ -317,7 +319,7 @@ def cmd_export(argv: list[str]) -> int:
         from ..trainers.export import export
 
         out = export(own.checkpoint, own.out, merge_lora=own.merge_lora, dtype=own.dtype,
-                     max_shard_size=own.shard_size, push_to_hub=own.push_to_hub)
+                     max_shard_size=own.shard_size, push_to_hub=own.push_to_hub, overwrite=own.overwrite)
         print(f"mindspeed-hf export: wrote {out}" + (f", uploaded to {own.push_to_hub}" if own.push_to_hub else ""))
         return 0
 
