@@ -43,6 +43,15 @@ commands:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are the command's one line (`mindspeed-hf bench: error: ...`, exit status 2), not a
+    usage block followed by the error."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        _error(self.prog.removeprefix("mindspeed-hf "), ValueError(f"{message} (--help lists the options)"))
+        raise SystemExit(2)
+
+
 def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
     if argv and not argv[0].startswith("-"):
         return argv[0], argv[1:]
@@ -210,7 +219,7 @@ def _stopped(argv: list[str], output_dir: str | None) -> int:
 def cmd_train(argv: list[str]) -> int:
     """`mindspeed-hf train`."""
     config, rest = _split_config(_resume_flag(argv))
-    parser = argparse.ArgumentParser(prog="mindspeed-hf train", allow_abbrev=False, add_help=False)
+    parser = _Parser(prog="mindspeed-hf train", allow_abbrev=False, add_help=False)
     parser.add_argument("--metrics-file", default=None, help="write the run's metrics as JSON here")
     parser.add_argument("--skip-quality-eval", action="store_true", help="skip the before/after quality check")
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
@@ -242,7 +251,7 @@ def cmd_train(argv: list[str]) -> int:
 def cmd_bench(argv: list[str]) -> int:
     """`mindspeed-hf bench`."""
     config, rest = _split_config(argv)
-    parser = argparse.ArgumentParser(prog="mindspeed-hf bench", allow_abbrev=False)
+    parser = _Parser(prog="mindspeed-hf bench", allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=20, help="training steps per side (default 20)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="interleaved baseline/accelerated pairs; ratios are their median and spread (default 3)")
@@ -259,12 +268,18 @@ def cmd_bench(argv: list[str]) -> int:
         from .memory_report import memory_report
 
         return memory_report(config, overrides)
-    from .bench import bench, check_options
-    from .run_config import load_run_config
+    from .quiet import third_party_quiet
 
-    try:  # fail here, once, on a bad config or option rather than in every subprocess
+    with third_party_quiet():  # other packages' import-time lines held back, as for train
+        from .bench import bench, check_options
+        from .run_config import load_run_config
+
+    try:  # fail here, once, on a bad config, option or MINDSPEED_HF_* value rather than in every subprocess
+        from ..config.sources import check_variables
+
+        check_variables(os.environ)
+        check_options(own.repeats, own.backend, own.steps)
         load_run_config(config)
-        check_options(own.repeats, own.backend)
         if own.plot:
             from .bench_plot import require_matplotlib
 
@@ -284,7 +299,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 def cmd_moe(argv: list[str]) -> int:
     """`mindspeed-hf moe OUTPUT_DIR`: cli/moe_report.py; errors are one line (exit status 2)."""
-    parser = argparse.ArgumentParser(prog="mindspeed-hf moe", description="the expert load of a MoE Trainer run")
+    parser = _Parser(prog="mindspeed-hf moe", description="the expert load of a MoE Trainer run")
     parser.add_argument("run_dir", help="the run's output_dir (or its moe_load.jsonl)")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the heatmap (needs matplotlib: [plot])")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -303,7 +318,7 @@ def cmd_moe(argv: list[str]) -> int:
 
 def cmd_export(argv: list[str]) -> int:
     """`mindspeed-hf export CHECKPOINT OUT`: trainers/export.py; errors are one line (exit status 2)."""
-    parser = argparse.ArgumentParser(prog="mindspeed-hf export", description="a checkpoint as a Hugging Face model")
+    parser = _Parser(prog="mindspeed-hf export", description="a checkpoint as a Hugging Face model")
     parser.add_argument("checkpoint")
     parser.add_argument("out")
     parser.add_argument("--merge-lora", action="store_true", help="a LoRA run: write the merged full model")

@@ -8,6 +8,7 @@
       (the file is kept across attempts), and each attempt's resume line.
   stall (2 ranks, no restarts): a plain Trainer (DDP) whose rank 1 sleeps at the start of step 3; the others wait in
       the step's gradient all-reduce. The hang watch (parallel.collective_timeout from the environment) ends the job.
+  mistake (2 ranks): a plain Trainer whose settings (MINDSPEED_HF_CONFIG, from the test) cannot be built.
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ def stall(out: Path, root: Path) -> None:
     _write(out, {"finished": True})
 
 
+def mistake(out: Path, root: Path) -> None:
+    _train(root / "mistake", False, [])
+    _write(out, {"finished": True})
+
+
 def _write(out: Path, record: dict) -> None:
     if RANK == 0:
         out.write_text(json.dumps(record))
@@ -134,12 +140,12 @@ def _write(out: Path, record: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["elastic", "stall"])
+    parser.add_argument("scenario", choices=["elastic", "stall", "mistake"])
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
     torch.set_num_threads(1)
-    {"elastic": elastic_runs, "stall": stall}[opts.scenario](Path(opts.out), Path(opts.root))
+    {"elastic": elastic_runs, "stall": stall, "mistake": mistake}[opts.scenario](Path(opts.out), Path(opts.root))
 
 
 if __name__ == "__main__":

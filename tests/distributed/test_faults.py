@@ -5,7 +5,9 @@
   the newest complete checkpoint, says so in one line, and ends with the uninterrupted run's losses and weights;
   every checkpoint of the run is complete and reads whole afterwards (none lost, the interrupted one rewritten);
 - a rank that stalls (a sleep in its own code) while the other waits in the step's all-reduce: the hang watch ends
-  the job within parallel.collective_timeout, with one line naming that rank and the step.
+  the job within parallel.collective_timeout, with one line naming that rank and the step;
+- a mistake in the settings (tp=3 on 2 ranks, from the YAML file): one line from rank 0 naming the setting, the file
+  and the valid choices, every rank exiting non-zero, no rank's traceback.
 
 Torch's own launcher needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for restarts of jobs with more than the default
 process group (pytorch/pytorch#135712: its shared store hands a restarted attempt the previous one's addresses);
@@ -76,3 +78,16 @@ def test_a_stalled_rank_ends_the_job_with_one_line(tmp_path):
     stalled = float((tmp_path / "stalled_at").read_text())
     assert bound < ended - stalled < bound + 30, ended - stalled
     assert not [line for line in output.splitlines() if line.startswith("[rank") and "Traceback" in line], output
+
+
+def test_a_mistake_under_torchrun_is_one_line(tmp_path):
+    (tmp_path / "tp3.yaml").write_text("parallel:\n  tp: 3\n")
+    proc = _torchrun(tmp_path, "mistake", timeout=240, MINDSPEED_HF_CONFIG=str(tmp_path / "tp3.yaml"))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not (tmp_path / "out.json").exists(), output[-4000:]
+    lines = [line for line in output.splitlines() if "mindspeed_hf: error:" in line]
+    assert len(lines) == 1, output[-4000:]
+    assert f"parallel.tp=3 (config file '{tmp_path / 'tp3.yaml'}')" in lines[0] and "valid choices" in lines[0]
+    assert not [line for line in output.splitlines() if "Traceback" in line and line.startswith("[rank")
+                or 'File "' in line and "mindspeed_hf" in line], output[-4000:]  # torchrun's own report aside
+    assert output.count("exitcode  : 1 ") + output.count("exitcode  : -15 ") == 2, output[-3000:]  # every rank
