@@ -194,10 +194,12 @@ def _wrap_arguments_post_init(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def __post_init__(self) -> None:
-        deepspeed.before_arguments(self)
+        with _one_line_if_uncaught():
+            deepspeed.before_arguments(self)
         with ddp_notice_held(self):  # released once the trainer knows whether we shard (release_ddp_notice)
             original(self)
-        deepspeed.after_arguments(self)
+        with _one_line_if_uncaught():
+            deepspeed.after_arguments(self)
 
     return __post_init__
 
