@@ -39,7 +39,9 @@ def test_every_replaced_trainer_method_is_a_listed_seam():
 
 # ------------------------------------------------------------------------------- the scan for private names
 #: Private names of other code that are not seams (not one of the supported packages).
-NOT_SEAMS = {"_actions": "argparse.ArgumentParser's actions (Python's standard library)"}
+NOT_SEAMS = {"_actions": "argparse.ArgumentParser's actions (Python's standard library)",
+             "_current_frames": "sys._current_frames, documented (Python's standard library)",
+             "_exit": "os._exit, documented (Python's standard library)"}
 _GETATTR = {"getattr", "setattr", "hasattr", "delattr"}
 _MAPPING_METHODS = {"get", "pop", "setdefault"}  # vars(obj).pop("_x") / obj.__dict__.get("_x")
 
