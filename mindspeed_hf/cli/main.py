@@ -358,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         return _one_line_errors("env", "--debug" in rest, env)
     handlers = {"train": cmd_train, "bench": cmd_bench, "moe": cmd_moe, "export": cmd_export}
     if command not in handlers:
-        print(f"mindspeed-hf: unknown command {command!r}; choose one of train, env, bench, moe, export\n\n{USAGE}",
-              file=sys.stderr)
+        print(f"mindspeed-hf: error: unknown command {command!r}; choose one of train, env, bench, moe, export "
+              "(mindspeed-hf --help shows their options)", file=sys.stderr)
         return 2
     return handlers[command](rest)
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from . import elastic, state, watchdog
+from ..parallel.checkpoint import COMPLETE_MARKER
+from . import elastic, watchdog
 from .run import Run
 
 __all__ = ["end", "follow", "noting_load", "while_saving"]
@@ -60,14 +61,21 @@ def _say_restart(accelerator: Any) -> None:
     newest = ""
     config = getattr(accelerator, "project_configuration", None)
     if config is not None and config.automatic_checkpoint_naming and accelerator.project_dir:
-        try:
-            found = state.newest_complete(os.path.join(accelerator.project_dir, "checkpoints"))
-            newest = f" (the newest complete one: {found})"
-        except state.StateError:
-            newest = " (none saved yet)"
+        found = _newest_saved(os.path.join(accelerator.project_dir, "checkpoints"))
+        newest = f" (the newest saved: {found})" if found else " (none saved yet)"
     logger.warning("mindspeed_hf: %s: this accelerate loop trains from its first step: its script did not call "
                    "accelerator.load_state(...) before training%s; a loop resumes only through its own load_state",
                    again, newest)
+
+
+def _newest_saved(root: str) -> str | None:
+    """The newest `checkpoint_<n>` of accelerate's automatic naming: complete ones only where the run marks them
+    (our sharded saves: runtime/state.py), else by number (accelerate's own saves carry no marker)."""
+    found = sorted((int(name.rpartition("_")[2]), os.path.join(root, name)) for name in
+                   (os.listdir(root) if os.path.isdir(root) else []) if name.rpartition("_")[2].isdigit())
+    marked = [item for item in found if os.path.isfile(os.path.join(item[1], COMPLETE_MARKER))]
+    chosen = marked or found
+    return chosen[-1][1] if chosen else None
 
 
 def noting_load(load_state: Callable) -> Callable:
