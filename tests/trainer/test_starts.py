@@ -141,6 +141,22 @@ def _killed_at_step_3(out: Path) -> None:
     assert [Path(p).name for p in checkpoints.complete_checkpoints(str(out))] == ["checkpoint-2", "checkpoint-1"]
 
 
+def test_transformers_4_overwrite_output_dir_is_the_opt_in(tmp_path, monkeypatch):
+    """transformers 4.x's own `overwrite_output_dir=True` means the same as checkpoints.overwrite (5.x removed it)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    if "overwrite_output_dir" not in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        pytest.skip("transformers >= 5 has no overwrite_output_dir")
+    _trainer(tmp_path, steps=2).train()
+    monkeypatch.setattr(starting, "_STARTED", set())
+    second = _trainer(tmp_path, steps=2)
+    second.args.overwrite_output_dir = True
+    second.train()
+    assert second.steps_run == [1, 2]
+
+
 def test_the_setting_and_the_launchers_are_read():
     from mindspeed_hf.runtime import elastic
 
