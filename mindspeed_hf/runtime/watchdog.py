@@ -109,18 +109,23 @@ class _Watch:
     def _run(self) -> None:
         interval = _interval(self.bound)
         seen: dict[int, _Seen] = {}
-        beat = 0
-        try:
-            while self.armed:
-                beat += 1
+        beat, failing_since = 0, None
+        while self.armed:
+            beat += 1
+            try:
                 self.store.set(str(self.rank), "|".join(map(str, (beat, _collectives(), self.step, self.saving,
                                                                      _where(self.main)))))
                 verdict = self._check(seen) if self.armed else None
-                if verdict is not None:
-                    self._end(verdict)
-                self.wake.wait(interval)
-        except Exception as err:  # noqa: BLE001 - the store went away (the job is ending): stop watching
-            logger.debug("mindspeed_hf: watchdog stopped: %s", err)
+                failing_since = None
+            except Exception as err:  # noqa: BLE001 - the store out of reach: try again; stop once it stays so
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > self.bound:
+                    logger.debug("mindspeed_hf: watchdog stopped: %s", err)
+                    return
+                verdict = None
+            if verdict is not None:
+                self._end(verdict)
+            self.wake.wait(interval)
 
     def _check(self, seen: dict[int, _Seen]) -> str | None:
         """The verdict ("<rank that claimed it>|<the line>") when the job is stuck, else None."""
@@ -223,6 +228,9 @@ def _where(thread_id: int | None) -> str:
     return f"{os.path.basename(code.co_filename)}:{chosen.f_lineno} ({code.co_name})".replace("|", "/")
 
 
+_CLIENTS: dict[tuple[str, int], Any] = {}  # one connection per store, kept across runs of the process
+
+
 def _client_store() -> Any:
     """A connection of our own to the store the default process group was set up with (a TCPStore: torchrun's, or
     init_process_group's); None when there is none or it cannot be reached."""
@@ -232,10 +240,13 @@ def _client_store() -> Any:
         store = dist.distributed_c10d._get_default_store()
         while isinstance(store, dist.PrefixStore):
             store = store.underlying_store
-        if isinstance(store, dist.TCPStore):
-            return dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
-                                 timeout=datetime.timedelta(seconds=60))
-        return store
+        if not isinstance(store, dist.TCPStore):
+            return store
+        key = (store.host, store.port)
+        if key not in _CLIENTS:
+            _CLIENTS[key] = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                                          timeout=datetime.timedelta(seconds=60))
+        return _CLIENTS[key]
     except Exception as err:  # noqa: BLE001 - no watch rather than a failed run
         logger.debug("mindspeed_hf: no watchdog (store: %s)", err)
         return None
