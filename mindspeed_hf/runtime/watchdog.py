@@ -31,7 +31,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,13 +72,14 @@ class _Watch:
         self.bound = 0.0
         self.session = 0
         self.step: int | None = None
+        self.step_of: Callable[[], int] | None = None
         self.saving = 0
         self.thread: threading.Thread | None = None
         self.wake = threading.Event()
         self.main = threading.main_thread().ident
 
     # ------------------------------------------------------------------------------ the main thread's side
-    def arm(self, bound: float) -> None:
+    def arm(self, bound: float, step_of: Callable[[], int] | None = None) -> None:
         with self.lock:
             if self.armed:
                 return
@@ -89,7 +90,7 @@ class _Watch:
             prefix = f"{_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self.session}"
             self.store = dist.PrefixStore(prefix, store)
             self.rank, self.world, self.bound = dist.get_rank(), dist.get_world_size(), float(bound)
-            self.step, self.saving, self.armed = None, 0, True
+            self.step, self.step_of, self.saving, self.armed = None, step_of, 0, True
             self.thread = threading.Thread(target=self._run, name="mindspeed_hf-watchdog", daemon=True)
             self.thread.start()
 
@@ -113,7 +114,8 @@ class _Watch:
         while self.armed:
             beat += 1
             try:
-                self.store.set(str(self.rank), "|".join(map(str, (beat, _collectives(), self.step, self.saving,
+                step = self.step_of() if self.step_of is not None else self.step
+                self.store.set(str(self.rank), "|".join(map(str, (beat, _collectives(), step, self.saving,
                                                                      _where(self.main)))))
                 verdict = self._check(seen) if self.armed else None
                 failing_since = None
@@ -255,10 +257,11 @@ def _client_store() -> Any:
 _WATCH = _Watch()
 
 
-def arm(bound: float) -> None:
-    """Watch this multi-process run (no-op in one process, with bound 0, or while armed already)."""
+def arm(bound: float, step_of: Callable[[], int] | None = None) -> None:
+    """Watch this multi-process run (no-op in one process, with bound 0, or while armed already). `step_of`: read
+    from the watch's thread, the step the main thread is in (else what `set_step` last said)."""
     if bound > 0:
-        _WATCH.arm(bound)
+        _WATCH.arm(bound, step_of)
 
 
 def disarm() -> None:

@@ -77,7 +77,6 @@ def after_init(trainer: Any) -> None:
     run = run_of(trainer)
     if run.config.moe.balance != "none":  # the biases move after every optimizer step
         trainer.add_callback(BalanceCallback(lambda: run.moe_balance))
-    trainer.add_callback(StepCallback())  # the step a hung rank's line names (runtime/watchdog.py)
     if getattr(trainer.args, "use_liger_kernel", False) and is_accelerated(trainer):
         logger.warning(
             "mindspeed_hf: use_liger_kernel=True, but mindspeed_hf already accelerates this model; Liger's "
@@ -92,8 +91,8 @@ def during_train(trainer: Any) -> Iterator[None]:
     a model we accelerate; afterwards, one warning for each patched kernel that never ran, and the last checkpoint's
     background export waited for."""
     run = run_of(trainer)
-    if run is not None:
-        watchdog.arm(run.config.parallel.collective_timeout)
+    if run is not None:  # the step a hung rank's line names: read from the trainer's state (no callback of ours)
+        watchdog.arm(run.config.parallel.collective_timeout, step_of=lambda: trainer.state.global_step + 1)
     try:
         with _liger_guard(trainer), _watch_kernels(trainer):
             yield
@@ -157,13 +156,6 @@ def _liger_guard(trainer: Any) -> Iterator[None]:
         yield
     finally:
         hf_trainer.apply_liger_kernel = current
-
-
-class StepCallback(TrainerCallback):
-    """Tells the hang watch which step the trainer is in."""
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        watchdog.set_step(state.global_step + 1)
 
 
 class BalanceCallback(TrainerCallback):
