@@ -201,8 +201,9 @@ def check_resume(args: Any) -> None:
     """Settle --resume_from_checkpoint before any work: without PATH, the newest complete checkpoint of output_dir
     whose files read whole (interrupted saves and unreadable checkpoints are skipped, saying so); with PATH, that
     checkpoint checked. Sets args.resume_from_checkpoint to the directory found; fails with one line otherwise.
-    Without it, a new run is refused before any model is built when output_dir holds another run's checkpoints
-    (unless checkpoints.overwrite; a restarted attempt resumes by itself in the trainer: trainers/starting.py)."""
+    Without it, a new run with the accelerator on is refused before any model is built when output_dir holds another
+    run's checkpoints (unless checkpoints.overwrite; a restarted attempt resumes by itself in the trainer:
+    trainers/starting.py)."""
     import mindspeed_hf
 
     from ..runtime import elastic
@@ -210,13 +211,10 @@ def check_resume(args: Any) -> None:
 
     target = _resume_target(args.resume_from_checkpoint)
     if target is None:
-        if elastic.restart() is None:
-            overwrite = False
-            if mindspeed_hf.is_enabled():
-                from ..runtime import resolve_config
+        if elastic.restart() is None and mindspeed_hf.is_enabled():  # MINDSPEED_HF_AUTO=0: plain Hugging Face
+            from ..runtime import resolve_config
 
-                overwrite = resolve_config(args).config.checkpoints.overwrite
-            starting.guard_new_run(args.output_dir, overwrite, args)
+            starting.guard_new_run(args.output_dir, resolve_config(args).config.checkpoints.overwrite, args)
         return
     try:
         if target is True:

@@ -177,9 +177,10 @@ class _Watch:
 
 
 def _count(fields: list[str]) -> int:
-    """A heartbeat's progress count: its collectives, or its step where the backend counts none."""
+    """A heartbeat's progress count: its collectives, or its step where the backend counts none (no sequence numbers,
+    or always 0)."""
     count = int(fields[1])
-    return count if count >= 0 else int(fields[2]) if fields[2] != "None" else 0
+    return count if count > 0 else int(fields[2]) if fields[2] != "None" else 0
 
 
 def _step_of(fields: list[str]) -> str:
