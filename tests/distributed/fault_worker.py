@@ -4,7 +4,8 @@
       Attempt 0 trains the uninterrupted references (DDP, then FSDP2 dp_shard=2) into their own directories, then the
       DDP run, whose rank 1 is killed (SIGKILL) in step 4. torchrun restarts both ranks; attempt 1 resumes the DDP
       run by itself and finishes it, then starts the FSDP2 run, whose rank 1 is killed while it writes checkpoint-4.
-      Attempt 2 resumes that one and finishes it. Rank 0 records every run's losses and final parameters in --out
+      Attempt 2 resumes that one and finishes it (--cases: which of them run). Rank 0 records every run's losses and
+      final parameters in --out
       (the file is kept across attempts), and each attempt's resume line.
   stall (2 ranks, no restarts): a plain Trainer (DDP) whose rank 1 sleeps at the start of step 3; the others wait in
       the step's gradient all-reduce. The hang watch (parallel.collective_timeout from the environment) ends the job.
@@ -33,6 +34,8 @@ from mindspeed_hf.runtime import elastic  # noqa: E402
 
 STEPS, KILL_STEP = 6, 4
 RANK = int(os.environ.get("RANK", "0"))
+#: the elastic runs: name -> (FSDP2, where rank 1 is killed)
+CASES = {"ddp": (False, "step"), "fsdp2": (True, "save")}
 
 
 def _args(out_dir: Path, fsdp: bool):
@@ -96,11 +99,12 @@ def _killer(when: str, marker: Path):
     return Kill()
 
 
-def elastic_runs(out: Path, root: Path) -> None:
+def elastic_runs(out: Path, root: Path, cases: list[str]) -> None:
     record = json.loads(out.read_text()) if out.exists() else {"attempts": []}
     again = elastic.restart()
     record["attempts"].append(str(again) if again else "first")
-    for name, fsdp, when in (("ddp", False, "step"), ("fsdp2", True, "save")):
+    for name in cases:
+        fsdp, when = CASES[name]
         if name in record:  # finished in an earlier attempt
             continue
         if f"reference_{name}" not in record:
@@ -113,7 +117,7 @@ def elastic_runs(out: Path, root: Path) -> None:
         _write(out, record)
 
 
-def stall(out: Path, root: Path) -> None:
+def stall(out: Path, root: Path, cases: list[str]) -> None:
     from transformers import TrainerCallback
 
     class Stall(TrainerCallback):
@@ -126,7 +130,7 @@ def stall(out: Path, root: Path) -> None:
     _write(out, {"finished": True})
 
 
-def mistake(out: Path, root: Path) -> None:
+def mistake(out: Path, root: Path, cases: list[str]) -> None:
     _train(root / "mistake", False, [])
     _write(out, {"finished": True})
 
@@ -143,9 +147,11 @@ def main() -> None:
     parser.add_argument("scenario", choices=["elastic", "stall", "mistake"])
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default=",".join(CASES), help="the elastic runs, in order")
     opts = parser.parse_args()
     torch.set_num_threads(1)
-    {"elastic": elastic_runs, "stall": stall, "mistake": mistake}[opts.scenario](Path(opts.out), Path(opts.root))
+    run = {"elastic": elastic_runs, "stall": stall, "mistake": mistake}[opts.scenario]
+    run(Path(opts.out), Path(opts.root), opts.cases.split(","))
 
 
 if __name__ == "__main__":

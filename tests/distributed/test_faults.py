@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import transformers
 from child_runs import REPO, child_env
 
 from mindspeed_hf.parallel.checkpoint import is_complete_checkpoint
@@ -29,9 +30,11 @@ from mindspeed_hf.trainers.checkpoints import unreadable_file
 WORKER = Path(__file__).resolve().parent / "fault_worker.py"
 
 
-def _torchrun(tmp_path: Path, scenario: str, *flags: str, timeout: int, **env: str) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path: Path, scenario: str, *flags: str, timeout: int, cases: list[str] | None = None,
+              **env: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *flags, str(WORKER),
-           scenario, "--root", str(tmp_path), "--out", str(tmp_path / "out.json")]
+           scenario, "--root", str(tmp_path), "--out", str(tmp_path / "out.json"),
+           *(["--cases", ",".join(cases)] if cases else [])]
     return subprocess.run(cmd, env=child_env(auto=True, **env), cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -40,14 +43,20 @@ def _relative(a: list[float], b: list[float]) -> float:
     return sum((x - y) ** 2 for x, y in zip(a, b, strict=True)) ** 0.5 / sum(y * y for y in b) ** 0.5
 
 
+#: plain transformers 4.x cannot resume a DDP run of several CPU processes (its optimizer load maps to the device
+#: "cpu:N", which torch.load refuses; reproduced without mindspeed_hf): the DDP case runs on transformers 5
+CASES = (["ddp"] if int(transformers.__version__.split(".")[0]) >= 5 else []) + ["fsdp2"]
+
+
 def test_killed_ranks_restart_and_resume_by_themselves(tmp_path):
-    proc = _torchrun(tmp_path, "elastic", "--max-restarts=2", timeout=500, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    proc = _torchrun(tmp_path, "elastic", f"--max-restarts={len(CASES)}", timeout=500,
+                     TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", cases=CASES)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     record = json.loads((tmp_path / "out.json").read_text())
-    assert record["attempts"] == ["first", "torchrun restart 1 (TORCHELASTIC_RESTART_COUNT=1)",
-                                  "torchrun restart 2 (TORCHELASTIC_RESTART_COUNT=2)"], record["attempts"]
-    for name, attempt in (("ddp", 1), ("fsdp2", 2)):  # killed in step 4 / while writing checkpoint-4
+    assert record["attempts"] == ["first", *(f"torchrun restart {i} (TORCHELASTIC_RESTART_COUNT={i})"
+                                             for i in range(1, len(CASES) + 1))], record["attempts"]
+    for attempt, name in enumerate(CASES, 1):  # ddp: killed in step 4; fsdp2: killed while writing checkpoint-4
         run, whole = record[name], record[f"reference_{name}"]
         assert run["attempt"].startswith(f"torchrun restart {attempt} "), run["attempt"]
         said = (f"mindspeed_hf: torchrun restart {attempt} (TORCHELASTIC_RESTART_COUNT={attempt}): resuming from "
