@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from . import versions
+from . import errors, versions
 from .config import MindSpeedConfig, load_config
 
 __version__ = "0.1.0"
@@ -29,7 +29,8 @@ if not _logger.handlers:
     # Under torchrun, info lines come from rank 0 only; warnings from every rank.
     _handler.addFilter(lambda r: r.levelno >= logging.WARNING or os.environ.get("RANK", "0") == "0")
     _logger.addHandler(_handler)
-    _logger.setLevel(os.environ.get("MINDSPEED_HF_LOG_LEVEL", "INFO").upper())
+    _level = os.environ.get("MINDSPEED_HF_LOG_LEVEL", "INFO").strip().upper()
+    _logger.setLevel(_level if _level.lower() in errors.LOG_LEVELS else "INFO")  # a bad value: auto_enable says so
     _logger.propagate = False
 
 
@@ -58,8 +59,11 @@ def get_config() -> MindSpeedConfig:
 
 
 def auto_requested() -> bool:
-    """MINDSPEED_HF_AUTO is not off (0 / false / no / off)."""
-    return os.environ.get("MINDSPEED_HF_AUTO", "1").strip().lower() not in ("0", "false", "no", "off")
+    """MINDSPEED_HF_AUTO is on (unset, or true/on/yes/1); off is false/off/no/0. Any other value is a one-line
+    ValueError naming the variable."""
+    from .value_kinds import parse_flag
+
+    return parse_flag(os.environ.get("MINDSPEED_HF_AUTO", "1"), "MINDSPEED_HF_AUTO")
 
 
 def auto_enable() -> None:
@@ -67,7 +71,14 @@ def auto_enable() -> None:
 
     All or nothing: a release we cannot serve (outside the supported range, or lacking an internal the Trainer
     wiring needs) gives one warning, and nothing is patched: models run as plain Hugging Face. A wrong setting
-    (MINDSPEED_HF_CONFIG, a MINDSPEED_HF_* variable) raises, printed as one line if nobody catches it."""
+    (MINDSPEED_HF_AUTO, MINDSPEED_HF_LOG_LEVEL, MINDSPEED_HF_CONFIG, a MINDSPEED_HF_* variable) raises, printed as
+    one line if nobody catches it (mindspeed_hf.errors)."""
+    from .config.sources import check_process_switches
+
+    try:
+        check_process_switches(os.environ)
+    except ValueError as err:
+        raise errors.say_once_if_uncaught(err) from None
     if not auto_requested():
         return
     outside = versions.unsupported()
@@ -82,29 +93,7 @@ def auto_enable() -> None:
     except UnsupportedReleaseError as err:
         _logger.warning("%s. The accelerator stays off: nothing was patched, models run unaccelerated", err)
     except (ValueError, FileNotFoundError) as err:
-        _print_uncaught_as_one_line(err)
-        raise
-
-
-def _print_uncaught_as_one_line(err: BaseException) -> None:
-    """If `err` reaches the top of the program uncaught, print it as `mindspeed_hf: error: ...` alone (its traceback
-    only with MINDSPEED_HF_LOG_LEVEL=DEBUG): a settings error at import is the user's one line, not 20."""
-    if os.environ.get("MINDSPEED_HF_LOG_LEVEL", "").upper() == "DEBUG":
-        return
-    previous = sys.excepthook
-
-    def excepthook(kind: type, value: BaseException, traceback: Any) -> None:
-        if value is not err:
-            return previous(kind, value, traceback)
-        if os.environ.get("RANK", "0") == "0":  # every rank finds the same settings error: rank 0 says it
-            print(f"mindspeed_hf: error: {' '.join(str(value).split())} (MINDSPEED_HF_LOG_LEVEL=DEBUG shows the "
-                  "traceback)", file=sys.stderr, flush=True)
-        else:  # under torchrun: let rank 0's line out before this exit makes torchrun stop the group
-            import time
-
-            time.sleep(2)
-
-    sys.excepthook = excepthook
+        raise errors.say_once_if_uncaught(err) from None
 
 
 def _is_the_command() -> bool:

@@ -165,8 +165,10 @@ class BenchResult:
     report: str
 
 
-def check_options(repeats: int, backend: str | None) -> None:
+def check_options(repeats: int, backend: str | None, steps: int = 1) -> None:
     """Bad bench options fail here, before any run: one line naming the option and the valid choices."""
+    if steps < 1:
+        raise ValueError(f"--steps={steps} must be >= 1 (training steps per side)")
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be >= 1")
     if backend is not None:
@@ -179,7 +181,7 @@ def bench(config: str | None, steps: int = 20, overrides: list[str] | None = Non
           repeats: int = 3, backend: str | None = None, profile: str | None = None) -> BenchResult:
     """Run `repeats` interleaved pairs (A B, B A, ...), then one counted step of each side (and, with `profile`,
     a trace of a few accelerated steps into that directory). `backend` forces the accelerated side's kernels."""
-    check_options(repeats, backend)
+    check_options(repeats, backend, steps)
     common = list(overrides or [])
     sides = {"0": common, "1": [*common, *(["--mindspeed_backend", backend.lower()] if backend else [])]}
     bases, fasts = [], []

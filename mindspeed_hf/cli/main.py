@@ -37,11 +37,20 @@ commands:
         the expert load of a Trainer run on a MoE model (OUTPUT_DIR/moe_load.jsonl): per layer, the busiest expert
         over the mean at the first and last logged interval and over the run; --plot: the heatmap of each layer's
         token share per expert, and each layer's imbalance per step (needs the [plot] extra)
-  export CHECKPOINT OUT [--merge-lora] [--dtype bf16|fp16|fp32] [--shard-size 5GB] [--push-to-hub ID]
+  export CHECKPOINT OUT [--merge-lora] [--dtype bf16|fp16|fp32] [--shard-size 5GB] [--push-to-hub ID] [--overwrite]
         a checkpoint of any layout (sharded DCP or not; a PEFT run: its adapter, or with --merge-lora the merged
         model) as a Hugging Face directory, in one CPU process, streamed one output file at a time; --push-to-hub
-        uploads it to that Hub repository
+        uploads it to that Hub repository. OUT must be new or empty; --overwrite replaces the model files there
 """
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are the command's one line (`mindspeed-hf bench: error: ...`, exit status 2), not a
+    usage block followed by the error."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        _error(self.prog.removeprefix("mindspeed-hf "), ValueError(f"{message} (--help lists the options)"))
+        raise SystemExit(2)
 
 
 def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -214,7 +223,7 @@ def _stopped(argv: list[str], output_dir: str | None) -> int:
 def cmd_train(argv: list[str]) -> int:
     """`mindspeed-hf train`."""
     config, rest = _split_config(_resume_flag(argv))
-    parser = argparse.ArgumentParser(prog="mindspeed-hf train", allow_abbrev=False, add_help=False)
+    parser = _Parser(prog="mindspeed-hf train", allow_abbrev=False, add_help=False)
     parser.add_argument("--metrics-file", default=None, help="write the run's metrics as JSON here")
     parser.add_argument("--skip-quality-eval", action="store_true", help="skip the before/after quality check")
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
@@ -246,7 +255,7 @@ def cmd_train(argv: list[str]) -> int:
 def cmd_bench(argv: list[str]) -> int:
     """`mindspeed-hf bench`."""
     config, rest = _split_config(argv)
-    parser = argparse.ArgumentParser(prog="mindspeed-hf bench", allow_abbrev=False)
+    parser = _Parser(prog="mindspeed-hf bench", allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=20, help="training steps per side (default 20)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="interleaved baseline/accelerated pairs; ratios are their median and spread (default 3)")
@@ -263,12 +272,18 @@ def cmd_bench(argv: list[str]) -> int:
         from .memory_report import memory_report
 
         return memory_report(config, overrides)
-    from .bench import bench, check_options
-    from .run_config import load_run_config
+    from .quiet import third_party_quiet
 
-    try:  # fail here, once, on a bad config or option rather than in every subprocess
+    with third_party_quiet():  # other packages' import-time lines held back, as for train
+        from .bench import bench, check_options
+        from .run_config import load_run_config
+
+    try:  # fail here, once, on a bad config, option or MINDSPEED_HF_* value rather than in every subprocess
+        from ..config.sources import check_variables
+
+        check_variables(os.environ)
+        check_options(own.repeats, own.backend, own.steps)
         load_run_config(config)
-        check_options(own.repeats, own.backend)
         if own.plot:
             from .bench_plot import require_matplotlib
 
@@ -288,7 +303,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 def cmd_moe(argv: list[str]) -> int:
     """`mindspeed-hf moe OUTPUT_DIR`: cli/moe_report.py; errors are one line (exit status 2)."""
-    parser = argparse.ArgumentParser(prog="mindspeed-hf moe", description="the expert load of a MoE Trainer run")
+    parser = _Parser(prog="mindspeed-hf moe", description="the expert load of a MoE Trainer run")
     parser.add_argument("run_dir", help="the run's output_dir (or its moe_load.jsonl)")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the heatmap (needs matplotlib: [plot])")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -307,13 +322,15 @@ def cmd_moe(argv: list[str]) -> int:
 
 def cmd_export(argv: list[str]) -> int:
     """`mindspeed-hf export CHECKPOINT OUT`: trainers/export.py; errors are one line (exit status 2)."""
-    parser = argparse.ArgumentParser(prog="mindspeed-hf export", description="a checkpoint as a Hugging Face model")
+    parser = _Parser(prog="mindspeed-hf export", description="a checkpoint as a Hugging Face model")
     parser.add_argument("checkpoint")
     parser.add_argument("out")
     parser.add_argument("--merge-lora", action="store_true", help="a LoRA run: write the merged full model")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: as saved")
     parser.add_argument("--shard-size", default="5GB", help="the largest safetensors file (default 5GB)")
     parser.add_argument("--push-to-hub", metavar="ID", default=None, help="upload the directory to this Hub repository")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="OUT may hold files: the model files there are replaced (default: OUT new or empty)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     own = parser.parse_args(argv)
 
@@ -321,7 +338,7 @@ def cmd_export(argv: list[str]) -> int:
         from ..trainers.export import export
 
         out = export(own.checkpoint, own.out, merge_lora=own.merge_lora, dtype=own.dtype,
-                     max_shard_size=own.shard_size, push_to_hub=own.push_to_hub)
+                     max_shard_size=own.shard_size, push_to_hub=own.push_to_hub, overwrite=own.overwrite)
         print(f"mindspeed-hf export: wrote {out}" + (f", uploaded to {own.push_to_hub}" if own.push_to_hub else ""))
         return 0
 
@@ -345,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         return _one_line_errors("env", "--debug" in rest, env)
     handlers = {"train": cmd_train, "bench": cmd_bench, "moe": cmd_moe, "export": cmd_export}
     if command not in handlers:
-        print(f"mindspeed-hf: unknown command {command!r}; choose one of train, env, bench, moe, export\n\n{USAGE}",
-              file=sys.stderr)
+        print(f"mindspeed-hf: error: unknown command {command!r}; choose one of train, env, bench, moe, export "
+              "(mindspeed-hf --help shows their options)", file=sys.stderr)
         return 2
     return handlers[command](rest)
 

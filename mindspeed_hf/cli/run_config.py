@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import KernelConfig, MemoryConfig, MindSpeedConfig, ParallelConfig, config_from_dict, read_config_file
+from ..config.sources import Layer, attach_run_file
 from ..value_kinds import known_keys, parse_flag, unknown_names
 from .default_run import DEFAULT_RUN_CONFIG, DEFAULT_RUN_DIR
 
@@ -80,6 +81,7 @@ class RunConfig:
     evaluation: EvalSpec = field(default_factory=EvalSpec)
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
     source: str = "<dict>"
+    layer: Layer | None = None  # the accelerator settings the file states, as a layer of their own (run_file_layer)
 
 
 SECTIONS = ("model", "data", "parallel", "features", "moe", "checkpoints", "training", "evaluation", "runtime")
@@ -261,6 +263,27 @@ def mindspeed_config_from_sections(parallel: Any, features: Any, checkpoints: An
     return config_from_dict(data)
 
 
+def run_file_layer(data: dict[str, Any], config: MindSpeedConfig, source: str) -> Layer:
+    """The accelerator settings the run file states (its `parallel`, `features`, `moe` and `checkpoints` sections,
+    data.max_tokens_per_batch), with their checked values, spelled as in the file: the run's own layer of the
+    settings (mindspeed_hf.config), so a message names the run file and the key written there."""
+    kernel_keys = {f.name for f in dataclasses.fields(KernelConfig)}
+    spelled: dict[str, str] = {}
+    for key in data.get("features") or {}:
+        path = key if key == "backend" else f"{'kernels' if key in kernel_keys else 'memory'}.{key}"
+        spelled[path] = f"features.{key}"
+    for section in ("parallel", "moe", "checkpoints"):
+        spelled.update({f"{section}.{key}": f"{section}.{key}" for key in data.get(section) or {}})
+    if "max_tokens_per_batch" in (data.get("data") or {}):
+        spelled["data.max_tokens_per_batch"] = "data.max_tokens_per_batch"
+
+    def value(path: str) -> Any:
+        section, _, key = path.rpartition(".")
+        return getattr(getattr(config, section) if section else config, key)
+
+    return Layer(f"run file {source!r}", {path: value(path) for path in spelled}, spelled)
+
+
 def parse_run_config(data: dict[str, Any], base: Path, source: str = "<dict>") -> RunConfig:
     """Validate a run description given as a dict (paths relative to `base`)."""
     data = _check_keys("", data, SECTIONS)
@@ -270,15 +293,17 @@ def parse_run_config(data: dict[str, Any], base: Path, source: str = "<dict>") -
                          f"(features: {', '.join(FEATURE_KEYS)})")
     training = _typed_training_values(_check_keys("training", data.get("training"), training_keys()))
     spec = _validate_data(_spec("data", DataSpec, data.get("data")), base)
+    mindspeed = mindspeed_config_from_sections(data.get("parallel"), data.get("features"), data.get("checkpoints"),
+                                               data.get("moe"), spec.max_tokens_per_batch)
     return RunConfig(
         model=_validate_model(_spec("model", ModelSpec, data.get("model")), base),
         data=spec,
-        mindspeed=mindspeed_config_from_sections(data.get("parallel"), data.get("features"),
-                                                 data.get("checkpoints"), data.get("moe"), spec.max_tokens_per_batch),
+        mindspeed=mindspeed,
         training=training,
         evaluation=_spec("evaluation", EvalSpec, data.get("evaluation")),
         runtime=_validate_runtime(_spec("runtime", RuntimeSpec, data.get("runtime"))),
         source=source,
+        layer=run_file_layer(data, mindspeed, source),
     )
 
 
@@ -293,6 +318,11 @@ def load_run_config(path: str | Path | None = None) -> RunConfig:
         return parse_run_config(data, file.resolve().parent, source=str(file))
     except (ValueError, FileNotFoundError) as err:
         raise type(err)(f"{file}: {err}") from None
+
+
+#: `mindspeed-hf train` on several ranks shards the model over all of them (FSDP2) unless a setting says otherwise
+COMMAND_DEFAULT = Layer("mindspeed-hf train's default: FSDP2 over every rank", {"parallel.dp_shard": -1},
+                        {"parallel.dp_shard": "parallel.dp_shard"})
 
 
 def _command_line_error(message: str) -> None:
@@ -319,9 +349,7 @@ def build_training_args(run: RunConfig, overrides: list[str], accelerated: bool)
 
     if detect_device_type() == "cpu":  # pinned host memory needs an accelerator (torch warns on every CPU run)
         defaults.setdefault("dataloader_pin_memory", False)
-    if accelerated:
-        defaults.update(MindSpeedTrainingArguments.fields_from_config(run.mindspeed))
-    elif run.mindspeed.memory.recompute:
+    if not accelerated and run.mindspeed.memory.recompute:
         # The plain-HF baseline does the same work through HF's own switch, so bench compares like with like.
         from ..compat import training_args_checkpointing_names
 
@@ -340,4 +368,7 @@ def build_training_args(run: RunConfig, overrides: list[str], accelerated: bool)
         flags = [r for r in remaining if r.startswith("--")] or remaining
         raise unknown_names("training argument", flags, [f"--{k}" for k in training_keys()])
     (args,) = parser.parse_dict({**defaults, **vars(given)})
+    if accelerated:  # the run file's settings, under their own name (not as training arguments)
+        sharded_by_deepspeed = bool(getattr(args, "deepspeed", None))  # DeepSpeed shards: no FSDP2 by default
+        attach_run_file(args, run.layer, default=None if sharded_by_deepspeed else COMMAND_DEFAULT)
     return args

@@ -189,21 +189,32 @@ def check_parallel_sizes(run: RunConfig, args: Any) -> Any:
 
     if not mindspeed_hf.is_enabled():
         return None
-    from ..runtime import resolve_plan
-    from ..trainers.arguments import resolve_for
+    from ..runtime import resolve_config, resolve_plan
+    from ..trainers import deepspeed
 
-    return resolve_plan(args, resolve_for(args, base=run.mindspeed), world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                        announce=False)
+    resolved = resolve_config(args)  # the trainer's own resolution (the run file's settings ride on `args`)
+    deepspeed.check_exclusive(args, resolved)  # the trainer's first check too
+    return resolve_plan(args, resolved, world_size=int(os.environ.get("WORLD_SIZE", "1")), announce=False)
 
 
 def check_resume(args: Any) -> None:
     """Settle --resume_from_checkpoint before any work: without PATH, the newest complete checkpoint of output_dir
     whose files read whole (interrupted saves and unreadable checkpoints are skipped, saying so); with PATH, that
-    checkpoint checked. Sets args.resume_from_checkpoint to the directory found; fails with one line otherwise."""
-    from ..trainers import checkpoints
+    checkpoint checked. Sets args.resume_from_checkpoint to the directory found; fails with one line otherwise.
+    Without it, a new run with the accelerator on is refused before any model is built when output_dir holds another
+    run's checkpoints (unless checkpoints.overwrite; a restarted attempt resumes by itself in the trainer:
+    trainers/starting.py)."""
+    import mindspeed_hf
+
+    from ..runtime import elastic
+    from ..trainers import checkpoints, starting
 
     target = _resume_target(args.resume_from_checkpoint)
     if target is None:
+        if elastic.restart() is None and mindspeed_hf.is_enabled():  # MINDSPEED_HF_AUTO=0: plain Hugging Face
+            from ..runtime import resolve_config
+
+            starting.guard_new_run(args.output_dir, resolve_config(args).config.checkpoints.overwrite, args)
         return
     try:
         if target is True:
@@ -211,7 +222,7 @@ def check_resume(args: Any) -> None:
         else:
             found = checkpoints.check_checkpoint(target, sharded=False)
     except checkpoints.CheckpointError as err:
-        raise ValueError(f"--{str(err)}") from None
+        raise ValueError(f"--resume_from_checkpoint: {err}") from None
     args.resume_from_checkpoint = found
 
 
@@ -227,8 +238,6 @@ def run_training(run: RunConfig, args: Any = None, metrics_file: str | None = No
     accelerated = mindspeed_hf.is_enabled()
     if args is None:
         args = training_args_for(run)
-    if accelerated:
-        mindspeed_hf.enable(run.mindspeed)  # class patches follow the run's features
     tokenizer = load_tokenizer(run.model)
     train_rows, eval_rows = split_rows(run.data, args.seed)
     train_ds = tokenize_rows(train_rows, tokenizer, run.data)
@@ -245,8 +254,12 @@ def run_training(run: RunConfig, args: Any = None, metrics_file: str | None = No
                           callbacks=[throughput, *(callbacks or [])])
     do_quality = run.evaluation.enabled if quality_eval is None else quality_eval
     resume = _resume_target(args.resume_from_checkpoint)
-    # "before" is the untrained model's quality: meaningless for a run that continues from a checkpoint
-    before = _quality(trainer, tokenizer, eval_rows, run) if do_quality and resume is None else None
+    # "before" is the untrained model's quality: meaningless for a run that continues from a checkpoint (also the
+    # one a restarted attempt resumes by itself)
+    from ..runtime import elastic
+
+    fresh = resume is None and elastic.restart() is None
+    before = _quality(trainer, tokenizer, eval_rows, run) if do_quality and fresh else None
     output = trainer.train(resume_from_checkpoint=resume)
     after = _quality(trainer, tokenizer, eval_rows, run) if do_quality else None
     trainer.save_model(args.output_dir)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .schema import MindSpeedConfig, build
-from .sources import Layer, accelerator_layer, process_layers, trainer_layers
+from .sources import Layer, accelerator_layer, process_layers, run_file_layers, trainer_layers
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -128,10 +128,12 @@ def resolve(explicit: list[Layer] | None = None, *, yaml_source: Any = None, env
 
 def resolve_for(args: Any, base: MindSpeedConfig | None = None) -> ResolvedConfig:
     """The config of a trainer given `args` (TrainingArguments, or None): its own layers as explicit ones over
-    `base` (a config given to enable()) or else the environment / YAML / defaults. Not logged: the trainer logs its
-    overrides once (`log_overrides`)."""
+    `base` (a config given to enable()) or else the environment / YAML / defaults; the settings of a run file the
+    arguments were built from (`mindspeed-hf train RUN.yaml`) sit just below the arguments, the command's own
+    defaults below every source. Not logged: the trainer logs its overrides once (`log_overrides`)."""
     explicit, fallback = trainer_layers(args)
-    return resolve_layers(process_layers(base=base), explicit, fallback)
+    below, above = run_file_layers(args) if args is not None else ([], [])
+    return resolve_layers(below + process_layers(base=base) + above, explicit, fallback)
 
 
 def resolve_for_accelerator(fsdp_plugin: Any = None, parallelism_config: Any = None,

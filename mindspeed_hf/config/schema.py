@@ -125,6 +125,11 @@ class ParallelConfig:
                                                             "its forward")
     cpu_offload: bool = _declare(False, boolean(), "FSDP2 keeps sharded parameters in host memory")
     prefetch: int = _declare(1, integer(0), "FSDP2 layers whose parameters are gathered ahead")
+    collective_timeout: int = _declare(600, integer(0, " (0 = off)"), "seconds the ranks of a multi-process run "
+                                       "may all wait on a rank that stopped answering (it joins no collective while "
+                                       "the others wait in one, or its process is gone) before the job ends with "
+                                       "one line naming that rank and the step; 0: only the process group's own "
+                                       "timeout (TrainingArguments.ddp_timeout)")
 
     def __post_init__(self) -> None:
         _check_fields(self, "parallel")
@@ -219,6 +224,9 @@ class CheckpointConfig:
     export_hf: bool = _declare(False, boolean(), "export every saved checkpoint as a Hugging Face model directory "
                                "(`mindspeed-hf export`) to OUTPUT_DIR/hf/checkpoint-N, in a background process on "
                                "the main rank while training goes on")
+    overwrite: bool = _declare(False, boolean(), "a new run (not resuming) may start in an output_dir that holds "
+                               "another run's checkpoints: they are removed first; false: such a run stops before "
+                               "any work, naming the ways forward")
 
     def __post_init__(self) -> None:
         _check_fields(self, "checkpoints")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..value_kinds import parse_flag, unknown_names
+from ..errors import LOG_LEVELS
+from ..value_kinds import choice, flag, parse_flag, unknown_names
 from .axes import AXES
 from .schema import ENV_PREFIX, SETTINGS, MindSpeedConfig, flatten, settings
 
@@ -35,12 +36,26 @@ class Layer:
 OTHER_VARIABLES = ("MINDSPEED_HF_AUTO", "MINDSPEED_HF_CONFIG", "MINDSPEED_HF_LOG_LEVEL")
 
 
+#: the process switches among them, each with its value kind (MINDSPEED_HF_CONFIG is a path: read by yaml_layer)
+_SWITCHES = {"MINDSPEED_HF_AUTO": flag(), "MINDSPEED_HF_LOG_LEVEL": choice(LOG_LEVELS, fold_case=True)}
+
+
+def check_process_switches(env: Mapping[str, str]) -> None:
+    """MINDSPEED_HF_AUTO (true/false) and MINDSPEED_HF_LOG_LEVEL (a logging level): a value nobody can read is a
+    one-line ValueError naming the variable and the valid choices."""
+    for name, kind in _SWITCHES.items():
+        if env.get(name) is not None:
+            kind.read(name, env[name])
+
+
 def check_variables(env: Mapping[str, str]) -> None:
-    """A MINDSPEED_HF_* variable nobody reads is a typo: refused, naming the nearest real one."""
+    """A MINDSPEED_HF_* variable nobody reads is a typo: refused, naming the nearest real one; the process switches'
+    values are checked too."""
     known = {s.env for s in SETTINGS.values()} | set(OTHER_VARIABLES)
     unknown = [name for name in env if name.startswith(ENV_PREFIX) and name not in known]
     if unknown:
         raise unknown_names("variable", unknown, sorted(known))
+    check_process_switches(env)
 
 
 def env_layer(env: Mapping[str, str] | None = None) -> Layer:
@@ -256,6 +271,24 @@ def checkpointing_layer(args: Any) -> Layer:
     if not getattr(args, switch, False):
         return Layer("TrainingArguments", {})
     return Layer(f"TrainingArguments ({switch})", {"memory.recompute": True}, {"memory.recompute": switch})
+
+
+#: where a run file's layer rides on its TrainingArguments (`mindspeed-hf train RUN.yaml`: cli/run_config.py)
+_RUN_FILE = "mindspeed_run_file"
+
+
+def attach_run_file(args: Any, layer: Layer | None, default: Layer | None = None) -> None:
+    """Keep the settings a run file states on the TrainingArguments built from it, and the command's own `default`:
+    they are resolved as layers of their own, the file's above the process layers and below the arguments
+    themselves, the default below every source (see run_file_layers)."""
+    vars(args)[_RUN_FILE] = (default, layer)
+
+
+def run_file_layers(args: Any) -> tuple[list[Layer], list[Layer]]:
+    """(the command's default layers, the run file's layers) attached to `args` (attach_run_file): lists of zero or
+    one; none for other arguments."""
+    default, layer = (vars(args).get(_RUN_FILE) if hasattr(args, "__dict__") else None) or (None, None)
+    return [default] if default is not None else [], [layer] if layer is not None else []
 
 
 def trainer_layers(args: Any) -> tuple[list[Layer], list[Layer]]:

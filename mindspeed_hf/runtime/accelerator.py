@@ -41,11 +41,12 @@ from torch import nn
 from .. import parallel
 from ..config import resolve_for_accelerator
 from ..device import detect_device_type
+from ..errors import say_once_if_uncaught
 from ..patches import apply, lazy_logits
 from ..patches.engine import PatchSet
 from ..value_kinds import parse_flag
+from . import loop_watch, state, watch
 from . import prepare as preparing
-from . import state, watch
 from .plan import resolve_plan, world_size_from
 from .prepare import ensure_dims, low_precision
 from .run import Run, attach, run_of
@@ -120,7 +121,11 @@ def _wrap_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
-        run = _ADOPTING.get() or _start(bound.arguments)
+        try:
+            run = _ADOPTING.get() or _start(bound.arguments)
+        except ValueError as err:  # a mistake in the loop's settings: one line if nobody catches it
+            say_once_if_uncaught(err)
+            raise
         if run.plan is None:
             original(*bound.args, **bound.kwargs)
         else:
@@ -201,6 +206,8 @@ def _wrap_prepare(original: Callable) -> Callable:
                 _balance_after_steps(run, _plain_optimizer(obj))
         if any(isinstance(obj, nn.Module) for obj in args):
             _watch_at_exit(self, run)
+        if run.args is None:  # a loop (a Trainer watches its own run): the hang watch, steps, restarts
+            loop_watch.follow(self, run, results)
         return result
 
     return prepare
@@ -378,6 +385,7 @@ def _wrap_end_training(original: Callable) -> Callable:
     @functools.wraps(original)
     def end_training(self):
         _check_kernels(self)
+        loop_watch.end()
         return original(self)
 
     return end_training
@@ -391,8 +399,8 @@ _WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "_prepare_device_mesh": _wrap_device_mesh,
     "clip_grad_norm_": _wrap_clip_grad_norm,
     "get_state_dict": _wrap_get_state_dict,
-    "save_state": _wrap_save_state,
-    "load_state": _wrap_load_state,
+    "save_state": lambda original: loop_watch.while_saving(_wrap_save_state(original)),
+    "load_state": lambda original: loop_watch.noting_load(_wrap_load_state(original)),
     "end_training": _wrap_end_training,
 }
 

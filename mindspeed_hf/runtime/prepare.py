@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -67,7 +68,10 @@ def prepare_model(run: Run, model: nn.Module) -> nn.Module:
     options = ParallelizeOptions(param_dtype=run.param_dtype if dims else None,
                                  layer_classes=run.plan.layer_classes if run.plan else None,
                                  broadcast_from_rank0=bool(run.plan and run.plan.cpu_ram_efficient_loading))
-    model = parallelize(model, dims, run.config, options)
+    try:
+        model = parallelize(model, dims, run.config, options)
+    except ValueError as err:  # a size this model cannot take: the setting as its source gave it
+        raise ValueError(_with_source(str(err), run)) from err
     if dims is None:  # data parallelism we do not shard: DDP, DeepSpeed (our FSDP2 steps keep the towers in step)
         _keep_towers_in_step(model)
     install_loop_split(model)
@@ -81,6 +85,15 @@ def prepare_model(run: Run, model: nn.Module) -> nn.Module:
         _log_sharded(run)
     run.models.add(model)
     return model
+
+
+def _with_source(message: str, run: Run) -> str:
+    """A refusal that starts with `parallel.<key>=<value>` (parallel/'s steps know the model, not the sources) with
+    that setting as its source spells it and the source named (`parallel.ep=2 (config file 'x.yaml')`)."""
+    match = re.match(r"(parallel\.\w+)=\S+?(?=[:;,) ]|$)", message)
+    if match is None or not run.resolved.is_set(match.group(1)):
+        return message
+    return run.resolved.describe(match.group(1)) + message[match.end():]
 
 
 def _load_history(run: Run) -> str | None:

@@ -18,6 +18,7 @@ from transformers import TrainingArguments
 
 from ..config import MindSpeedConfig, ResolvedConfig, Setting, resolve_for, settings
 from ..config.sources import ARGUMENTS_SOURCE, Layer, arguments_layer, hf_fsdp_layer
+from ..errors import say_once_if_uncaught
 from . import deepspeed
 
 __all__ = ["ARGUMENTS_SOURCE", "MindSpeedTrainingArguments", "hf_fsdp_layer", "resolve_for"]
@@ -46,8 +47,8 @@ class _MindSpeedFields:
         try:
             return resolve_for(self)  # type: ignore[arg-type]
         except ValueError as err:
-            # Name the argument the user actually set, not only the config key behind it.
-            raise ValueError(f"invalid mindspeed_* training argument: {err}") from err
+            # Name the argument the user actually set, not only the config key behind it; one line if uncaught.
+            raise say_once_if_uncaught(ValueError(f"invalid mindspeed_* training argument: {err}")) from err
 
     def mindspeed_config(self) -> MindSpeedConfig:
         """Build and validate the MindSpeedConfig these arguments describe."""

@@ -30,22 +30,22 @@ import logging
 import os
 import re
 import shutil
-import struct
-import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..errors import say_once_if_uncaught
 from ..parallel.checkpoint import COMPLETE_MARKER, _barrier, _rank, is_complete_checkpoint, mark_complete, unmark
-from ..runtime import run_of
+from ..runtime import run_of, watchdog
 from . import export_background
+from .readable import unreadable_file
 
-__all__ = ["CheckpointError", "begin_checkpoint_dir", "checkpoint_step", "newest_resumable", "resolve_resume",
-           "save_checkpoint", "tied_keys_quiet", "unreadable_file"]
+__all__ = ["CheckpointError", "begin_checkpoint_dir", "checkpoint_dirs", "checkpoint_step", "complete_checkpoints",
+           "find_newest", "newest_resumable", "resolve_resume", "say_resuming", "save_checkpoint", "tied_keys_quiet",
+           "unreadable_file"]
 
 logger = logging.getLogger("mindspeed_hf")
 PREFIX = "checkpoint"
 TRAINER_STATE = "trainer_state.json"
-_TORCH_SAVED = (".pt", ".pth", ".bin")
 
 
 class CheckpointError(ValueError):
@@ -58,89 +58,13 @@ def _say(level: int, message: str, *args: Any) -> None:
         logger.log(level, message, *args)
 
 
-# ---------------------------------------------------------------------------------------------- reading checks
-def _safetensors_problem(path: str, size: int) -> str | None:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return "truncated (no header)"
-        (length,) = struct.unpack("<Q", head)
-        if 8 + length > size:
-            return "truncated (header cut)"
-        try:
-            header = json.loads(f.read(length))
-        except ValueError:
-            return "corrupt header"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    return None if 8 + length + end <= size else f"truncated ({size} of {8 + length + end} bytes)"
-
-
-def _torch_file_problem(path: str, size: int) -> str | None:
-    """torch.save's zip format: the central directory is at the end, so a cut file has none."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            for info in archive.infolist():
-                if info.header_offset + info.compress_size > size:
-                    return f"truncated ({info.filename} cut)"
-    except (zipfile.BadZipFile, OSError):
-        return "truncated or not a torch.save file"
-    return None
-
-
-def _dcp_problem(directory: str) -> str | None:
-    """A torch.distributed.checkpoint directory: its .metadata readable, every stored byte range present."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        metadata = FileSystemReader(directory).read_metadata()
-    except Exception:  # noqa: BLE001 - any failure to unpickle is a damaged file
-        return f"{os.path.join(directory, '.metadata')}: truncated or corrupt"
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(needed.items()):
-        path = os.path.join(directory, name)
-        have = os.path.getsize(path) if os.path.isfile(path) else -1
-        if have < end:
-            return f"{path}: {'missing' if have < 0 else f'truncated ({have} of {end} bytes)'}"
-    return None
-
-
-def unreadable_file(checkpoint: str) -> str | None:
-    """"FILE: what is wrong" for the first file of `checkpoint` that cannot be read whole (weights, optimizer,
-    scheduler, RNG state, trainer state, DCP shards), None when all can. Reads headers and indexes only."""
-    for root, dirs, files in os.walk(checkpoint):
-        dirs.sort()
-        if ".metadata" in files:
-            problem = _dcp_problem(root)
-            if problem:
-                return problem
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            size = os.path.getsize(path)
-            problem = None
-            if name.endswith(".safetensors"):
-                problem = _safetensors_problem(path, size)
-            elif name.endswith(_TORCH_SAVED):
-                problem = _torch_file_problem(path, size)
-            elif name.endswith(".json") or name == COMPLETE_MARKER:
-                try:
-                    with open(path) as f:
-                        json.load(f)
-                except ValueError:
-                    problem = "truncated or not valid JSON"
-            if problem:
-                return f"{path}: {problem}"
-    return None
-
-
 # ---------------------------------------------------------------------------------------------- choosing
 def _step(name: str) -> int | None:
     m = re.fullmatch(rf"{PREFIX}-(\d+)", name)
     return int(m.group(1)) if m else None
 
 
-def _checkpoints(run_dir: str) -> list[str]:
+def checkpoint_dirs(run_dir: str) -> list[str]:
     """checkpoint-N directories of `run_dir`, newest (largest N) first."""
     if not os.path.isdir(run_dir):
         return []
@@ -153,64 +77,83 @@ def _finished(path: str, marked_run: bool) -> bool:
     return is_complete_checkpoint(path) if marked_run else os.path.isfile(os.path.join(path, TRAINER_STATE))
 
 
+def complete_checkpoints(run_dir: str) -> list[str]:
+    """The checkpoint-N directories of `run_dir` whose save finished (the COMPLETE marker; in a directory written
+    without mindspeed_hf, Trainer's trainer_state.json), newest first."""
+    found = checkpoint_dirs(run_dir)
+    marked_run = any(is_complete_checkpoint(p) for p in found)
+    return [path for path in found if _finished(path, marked_run)]
+
+
 def newest_resumable(run_dir: str) -> str:
     """The newest complete checkpoint of `run_dir` whose files can all be read; says which it skipped and why.
 
     Raises:
         CheckpointError: there is none.
     """
-    return _newest(run_dir)[0]
+    return find_newest(run_dir)[0]
 
 
-def _newest(run_dir: str) -> tuple[str, bool]:
-    """(newest_resumable's answer, whether a newer complete checkpoint that does not read was passed over)."""
-    found = _checkpoints(run_dir)
-    if not found:
-        raise CheckpointError(f"resume_from_checkpoint: no checkpoint-N directory in output_dir {run_dir!r}; give a "
-                              "checkpoint path, or the output_dir of the run")
+def find_newest(run_dir: str, quiet: bool = False) -> tuple[str, bool]:
+    """(newest_resumable's answer, whether a newer complete checkpoint that does not read was passed over);
+    `quiet`: without the lines saying what was skipped."""
+    say = (lambda *a: None) if quiet else _say
+    found = checkpoint_dirs(run_dir)
+    if not found:  # Hugging Face's own text first (what code written against plain Trainer matches on)
+        raise CheckpointError(f"No valid checkpoint found in output directory ({run_dir}): no checkpoint-N directory "
+                              "in output_dir; give a checkpoint path, or the output_dir of the run")
     marked_run = any(is_complete_checkpoint(p) for p in found)
     if not marked_run:
-        _say(logging.INFO, "mindspeed_hf: %s has no %s marker anywhere (written without mindspeed_hf): resuming "
-             "by Hugging Face's rule (the newest checkpoint with %s)", run_dir, COMPLETE_MARKER, TRAINER_STATE)
+        say(logging.INFO, "mindspeed_hf: %s has no %s marker anywhere (written without mindspeed_hf): resuming "
+            "by Hugging Face's rule (the newest checkpoint with %s)", run_dir, COMPLETE_MARKER, TRAINER_STATE)
     broken = None
     for path in found:
         if not _finished(path, marked_run):
-            _say(logging.WARNING, "mindspeed_hf: skipping %s: no %s marker (a save that did not finish)", path,
-                 COMPLETE_MARKER if marked_run else TRAINER_STATE)
+            say(logging.WARNING, "mindspeed_hf: skipping %s: no %s marker (a save that did not finish)", path,
+                COMPLETE_MARKER if marked_run else TRAINER_STATE)
             continue
         problem = unreadable_file(path)
         if problem:
-            _say(logging.ERROR, "mindspeed_hf: checkpoint %s cannot be read: %s; falling back to the previous "
-                 "complete checkpoint", path, problem)
+            say(logging.ERROR, "mindspeed_hf: checkpoint %s cannot be read: %s; falling back to the previous "
+                "complete checkpoint", path, problem)
             broken = broken or problem
             continue
         return path, broken is not None
     detail = f" (newest unreadable file: {broken})" if broken else ""
-    raise CheckpointError(f"resume_from_checkpoint: no complete checkpoint in output_dir {run_dir!r}{detail}; "
-                          "train without resume_from_checkpoint, or give a checkpoint directory")
+    raise CheckpointError(f"No valid checkpoint found in output directory ({run_dir}): no complete checkpoint in "
+                          f"output_dir{detail}; train without resume_from_checkpoint, or give a checkpoint directory")
 
 
-def _not_valid(path: str, why: str) -> CheckpointError:
-    """A refused checkpoint path; the text holds Hugging Face's own "Can't find a valid checkpoint at" (what code
-    written against plain Trainer matches on) followed by our reason."""
-    return CheckpointError(f"resume_from_checkpoint: Can't find a valid checkpoint at {path!r}: {why}")
+def _not_valid(path: str, why: str, purpose: str) -> CheckpointError:
+    """A refused checkpoint path. To resume: Hugging Face's own text first ("Can't find a valid checkpoint at", what
+    code written against plain Trainer matches on), then our reason; to export: what export can do instead."""
+    if purpose == "export":
+        return CheckpointError(f"export: {path} is not a checkpoint that can be exported: {why}")
+    return CheckpointError(f"Can't find a valid checkpoint at {path!r}: {why}")
 
 
-def check_checkpoint(path: str, sharded: bool) -> str:
-    """An explicitly given checkpoint directory, checked: it exists, its save finished, its files read whole."""
+def _what_to_do(purpose: str) -> str:
+    if purpose == "export":
+        return "export an earlier checkpoint of the run"
+    return "resume from an earlier checkpoint, or resume_from_checkpoint=True for the newest one that reads"
+
+
+def check_checkpoint(path: str, sharded: bool, purpose: str = "resume") -> str:
+    """An explicitly given checkpoint directory, checked: it exists, its save finished, its files read whole.
+    `purpose` ("resume" or "export") words the refusal."""
     path = os.path.normpath(str(path))
     if not os.path.isdir(path):
-        raise _not_valid(path, "not a directory")
-    siblings = _checkpoints(os.path.dirname(path) or ".")
+        raise _not_valid(path, "not a directory" if not os.path.exists(path) else "not a directory (a file)", purpose)
+    siblings = checkpoint_dirs(os.path.dirname(path) or ".")
     legacy = (not sharded and os.path.isfile(os.path.join(path, TRAINER_STATE))  # a run written without mindspeed_hf
               and not any(is_complete_checkpoint(p) for p in siblings))
     if not is_complete_checkpoint(path) and not legacy:
-        raise _not_valid(path, f"no {COMPLETE_MARKER} marker (an interrupted save); resume_from_checkpoint=True "
-                         "picks the newest complete one")
+        instead = (_what_to_do(purpose) if purpose == "export"
+                   else "resume_from_checkpoint=True picks the newest complete one")
+        raise _not_valid(path, f"no {COMPLETE_MARKER} marker (an interrupted save); {instead}", purpose)
     problem = unreadable_file(path)
     if problem:
-        raise _not_valid(path, f"{problem}; resume from an earlier checkpoint, or resume_from_checkpoint=True for "
-                         "the newest one that reads")
+        raise _not_valid(path, f"{problem}; {_what_to_do(purpose)}", purpose)
     return path
 
 
@@ -223,12 +166,13 @@ def checkpoint_step(path: str) -> int | None:
         return _step(os.path.basename(os.path.normpath(path)))
 
 
-def _say_resuming(path: str, fell_back: bool) -> None:
-    """The one line every resumed run logs: which checkpoint, at which step."""
+def say_resuming(path: str, fell_back: bool, because: str = "") -> None:
+    """The one line every resumed run logs: which checkpoint, at which step (`because`: what resumed it, when not
+    the user)."""
     step = checkpoint_step(path)
     why = "; the newest complete checkpoint that reads" if fell_back else ""
-    _say(logging.INFO if not fell_back else logging.WARNING, "mindspeed_hf: resuming from %s (step %s%s)", path,
-         "?" if step is None else step, why)
+    _say(logging.INFO if not fell_back else logging.WARNING, "mindspeed_hf: %sresuming from %s (step %s%s)",
+         f"{because}: " if because else "", path, "?" if step is None else step, why)
 
 
 def resolve_resume(trainer: Any, resume: Any, sharded: bool = False) -> Any:
@@ -236,12 +180,12 @@ def resolve_resume(trainer: Any, resume: Any, sharded: bool = False) -> Any:
     run's output_dir; a path -> checked (marker, readable files); anything else unchanged. A resumed run logs one
     line: "resuming from <path> (step N)"."""
     if resume is True:
-        path, fell_back = _newest(trainer.args.output_dir)
+        path, fell_back = find_newest(trainer.args.output_dir)
     elif isinstance(resume, str | os.PathLike) and str(resume):
         path, fell_back = check_checkpoint(str(resume), sharded), False
     else:
         return resume
-    _say_resuming(path, fell_back)
+    say_resuming(path, fell_back)
     return path
 
 
@@ -289,7 +233,7 @@ def _drop_stale_saves(run_dir: str, step: int) -> None:
     """Unmarked checkpoint dirs numbered past `step`: interrupted saves of a killed run that this run has not
     reached again. Rotation would keep one as "the most recent" in place of the checkpoint just published. In a
     directory written without mindspeed_hf (no marker before `step`) Hugging Face's rule says what finished."""
-    found = _checkpoints(run_dir)
+    found = checkpoint_dirs(run_dir)
     marked_run = any(is_complete_checkpoint(p) for p in found if (_step(os.path.basename(p)) or 0) < step)
     for path in found:
         number = _step(os.path.basename(path))
@@ -300,7 +244,13 @@ def _drop_stale_saves(run_dir: str, step: int) -> None:
 
 def save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any) -> None:
     """Trainer's own `_save_checkpoint` (bound `original`), made atomic: staging while it writes, the COMPLETE
-    marker once every rank is done, then Trainer's rotation. Collective under torch.distributed."""
+    marker once every rank is done, then Trainer's rotation. Collective under torch.distributed. The hang watch
+    knows this rank is saving (rank 0 may write, or wait for the previous export, while the others wait)."""
+    with watchdog.saving():
+        _save_checkpoint(trainer, original, *args, **kwargs)
+
+
+def _save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any) -> None:
     held: list[Callable[[], None]] = []
     run = run_of(trainer)
     run.checkpoint_dir = None  # "inside a checkpoint save": save_model records the directory
@@ -308,6 +258,11 @@ def save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any)
         with _rotation_held(trainer, held):
             original(*args, **kwargs)
         written = run.checkpoint_dir
+    except Exception as err:  # noqa: BLE001 - a file-system failure (disk full, ...) becomes one line; others go on
+        failure = _os_error(err)
+        if failure is None:
+            raise
+        raise say_once_if_uncaught(_save_failed(trainer, run.checkpoint_dir, failure), every_rank=True) from err
     finally:
         run.checkpoint_dir = False
     _barrier()
@@ -321,6 +276,38 @@ def save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any)
         _drop_stale_saves(os.path.dirname(os.path.normpath(written)), trainer.state.global_step)
     for rotate in held:  # Trainer calls it where it should (should_save); the newest kept is the one just marked
         rotate()
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The file-system error behind `err`: itself, its cause, or a rank's failure inside DCP's CheckpointException
+    (its `failures`: rank -> exception, or (exception, traceback))."""
+    seen: list[BaseException] = [err]
+    while seen:
+        current = seen.pop(0)
+        if isinstance(current, OSError):
+            return current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            seen += [f[0] if isinstance(f, tuple) else f for f in failures.values() if f is not None]
+        seen += [e for e in (current.__cause__, current.__context__) if e is not None]
+    return None
+
+
+def _save_failed(trainer: Any, directory: str | None, err: OSError) -> OSError:
+    """One line for a checkpoint save the file system refused: what, where, and what the run can resume from."""
+    run_dir = trainer.args.output_dir
+    directory = directory or os.path.join(run_dir, f"{PREFIX}-{trainer.state.global_step}")
+    try:
+        newest = f"the newest complete one is {os.path.basename(find_newest(run_dir, quiet=True)[0])}"
+    except CheckpointError:
+        newest = "no complete checkpoint to resume from yet"
+    what = err.strerror or str(err)
+    where = f" writing {err.filename}" if err.filename else ""
+    failed = OSError(f"saving checkpoint {directory} failed{where}: {what}; it has no {COMPLETE_MARKER} marker and is "
+                     f"never resumed from, {newest}: make room (or fix the file system) and run again with "
+                     "resume_from_checkpoint=True (--resume_from_checkpoint)")
+    failed.errno = err.errno
+    return failed
 
 
 def save_model(trainer: Any, original: Callable, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shutil
 from typing import Any
 
@@ -42,44 +43,128 @@ _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.index.json")
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge_lora: bool = False,
-           dtype: str | None = None, max_shard_size: str = "5GB", push_to_hub: str | None = None) -> str:
+           dtype: str | None = None, max_shard_size: str | int = "5GB", push_to_hub: str | None = None,
+           overwrite: bool = False) -> str:
     """Write the model of `checkpoint` to `out` as a Hugging Face directory; returns `out`.
 
     Args:
         checkpoint: a Trainer checkpoint (`checkpoint-N`, sharded or not) or a `save_model` directory.
-        out: the directory to write (created; must not be the checkpoint itself).
+        out: the directory to write (created; must not be the checkpoint itself). It must be new or empty unless
+            `overwrite`.
         merge_lora: for a PEFT LoRA run, write the merged full model instead of the adapter.
         dtype: `bf16`, `fp16` or `fp32` (default: as saved).
-        max_shard_size: the largest safetensors file (`save_pretrained`'s setting).
+        max_shard_size: the largest safetensors file (`save_pretrained`'s setting): a number with KB, MB, GB or TB
+            (`5GB`, `500MB`), or a number of bytes.
         push_to_hub: a Hub repository id (`user/name`): the written directory is uploaded there (the repository
             is created if needed; the token is huggingface_hub's: HF_TOKEN or `hf auth login`).
+        overwrite: `out` may hold files: the model files there (weights and their index, configs, adapter,
+            tokenizer and processor files, README.md, export.json) are replaced by the exported model's, so the
+            directory never mixes two models; other files are kept.
 
-    Raises ValueError (one line naming the file or the setting) for an incomplete or truncated checkpoint, a
-    directory that holds no model, `merge_lora` without an adapter, an unknown dtype or an invalid repository id,
-    before anything is written.
+    The export is written into a staging directory beside `out` and moved into place once whole: an export that
+    fails or is killed leaves `out` as it was. Raises ValueError (one line naming the file or the setting) for a
+    missing, incomplete or truncated checkpoint, a directory that holds no model, `merge_lora` without an adapter, an
+    unknown dtype or shard size, an invalid repository id, or a non-empty `out` without `overwrite`, before anything
+    is written.
     """
     src, out = os.path.normpath(str(checkpoint)), os.path.normpath(str(out))
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"export: unknown dtype {dtype!r}; valid choices: {', '.join(DTYPES)}")
+    max_shard_size = shard_size(max_shard_size)
     if push_to_hub is not None:
         _check_repo_id(push_to_hub)
+    if not os.path.isdir(src):
+        what = "is a file, not a checkpoint directory" if os.path.exists(src) else "does not exist"
+        raise ValueError(f"export: the checkpoint {src} {what}; give a checkpoint-N directory of a run, or "
+                         "save_model's output directory")
     if os.path.abspath(src) == os.path.abspath(out):
         raise ValueError(f"export: the output directory {out} is the checkpoint itself; choose another")
+    _check_out(out, overwrite)
     sharded = os.path.isdir(os.path.join(src, MODEL_DIR))
     if sharded or os.path.isfile(os.path.join(src, TRAINER_STATE)):  # a Trainer checkpoint: finished and whole?
-        src = check_checkpoint(src, sharded=sharded)
+        src = check_checkpoint(src, sharded=sharded, purpose="export")
     if merge_lora and not _is_peft(src):
         raise ValueError(f"export --merge-lora: {src} holds no LoRA adapter (no adapter_config.json)")
     dtype_ = DTYPES[dtype] if dtype is not None else None
-    if sharded:
-        _from_shards(src, out, merge_lora, dtype_, max_shard_size)
-    else:
-        _from_directory(src, out, merge_lora, dtype_, max_shard_size)
-    _copy_side_files(src, out)
-    _say_where_from(src, out, merge_lora)
+    staging = _staging(out)
+    try:
+        if sharded:
+            _from_shards(src, staging, merge_lora, dtype_, max_shard_size)
+        else:
+            _from_directory(src, staging, merge_lora, dtype_, max_shard_size)
+        _copy_side_files(src, staging)
+        _say_where_from(src, staging, merge_lora)
+        _publish(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     if push_to_hub is not None:
         _push(out, push_to_hub, src)
     return out
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]B)", re.IGNORECASE)
+
+
+def shard_size(value: str | int) -> str | int:
+    """`max_shard_size` checked: a number with KB, MB, GB or TB (what both huggingface_hub's and transformers'
+    writers read), or a whole number of bytes; else a one-line ValueError naming the option."""
+    text = str(value).strip()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    match = _SIZE.fullmatch(text)
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"export: --shard-size (max_shard_size) {value!r} is not a size; valid choices: a number with "
+                         "KB, MB, GB or TB (5GB, 500MB), or a number of bytes")
+    return f"{match.group(1)}{match.group(2).upper()}"
+
+
+#: what a Hugging Face model directory holds: with `overwrite`, the earlier model's files that go
+_MODEL_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json", "*.gguf", "config.json",
+                "generation_config.json", "adapter_config.json", "README.md", "export.json", "tokenizer*", "vocab*",
+                "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template*", "*.model",
+                "*.tiktoken", "*preprocessor_config.json", "processor_config.json")
+
+
+def _check_out(out: str, overwrite: bool) -> None:
+    """`out` may be written: new, empty, or `overwrite`; refused before anything is written otherwise."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"export: the output {out} is a file; give a directory")
+    found = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if found and not overwrite:
+        listed = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise ValueError(f"export: the output directory {out} is not empty ({listed}); choose a new or empty "
+                         "directory, or --overwrite (overwrite=True) to replace the model there")
+
+
+def _staging(out: str) -> str:
+    """Where the export is written before it is moved into `out`: a hidden sibling (the same file system)."""
+    parent, name = os.path.split(os.path.abspath(out))
+    staging = os.path.join(parent, f".{name}.exporting")
+    shutil.rmtree(staging, ignore_errors=True)  # a killed export's
+    os.makedirs(staging)
+    return staging
+
+
+def _publish(staging: str, out: str) -> None:
+    """The written export into `out`: renamed into place when `out` is new or empty; else (overwrite) the model
+    files `out` held removed first (a sub-directory holding a model or an adapter too), then each file moved in."""
+    if not os.path.isdir(out) or not os.listdir(out):
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.replace(staging, out)
+        return
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                       for f in ("config.json", "adapter_config.json")):
+            shutil.rmtree(path)
+        elif os.path.isfile(path) and any(fnmatch.fnmatch(name, pattern) for pattern in _MODEL_FILES):
+            os.remove(path)
+    for name in os.listdir(staging):
+        target = os.path.join(out, name)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(staging, name), target)
 
 
 def _check_repo_id(repo_id: str) -> None:
@@ -119,7 +204,7 @@ def _is_peft(src: str) -> bool:
     return os.path.isfile(os.path.join(src, "adapter_config.json"))
 
 
-def _from_shards(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None, max_shard_size: str) -> None:
+def _from_shards(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None, max_shard_size: str | int) -> None:
     """A sharded checkpoint: the model rebuilt on the meta device from its config, its tensors read from the DCP
     shards file by file (every shard layout reads back whole in one process); a PEFT run's adapter, small, is read
     whole and written by PEFT's save_pretrained."""
@@ -179,7 +264,8 @@ def _from_shards(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None
         shutil.copy2(generation, os.path.join(out, "generation_config.json"))
 
 
-def _from_directory(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None, max_shard_size: str) -> None:
+def _from_directory(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None,
+                    max_shard_size: str | int) -> None:
     """An unsharded checkpoint or save_model directory (a model, or a PEFT adapter): its files copied when nothing
     changes; otherwise read with from_pretrained (PEFT: PeftModel on its base model) and written by
     save_pretrained - the whole model in memory."""

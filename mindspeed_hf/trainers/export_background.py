@@ -2,7 +2,8 @@
 training goes on.
 
 Once a checkpoint is complete (its COMPLETE marker written), the main rank starts `mindspeed-hf export CHECKPOINT
-OUTPUT_DIR/hf/checkpoint-N` as a separate process at low CPU priority, outside the training job (no torchrun
+OUTPUT_DIR/hf/checkpoint-N --overwrite` (the run's own directory: a checkpoint saved again after a restart replaces its
+export) as a separate process at low CPU priority, outside the training job (no torchrun
 variables, no accelerator: the export is a CPU reader of the files just written) and returns to training. One export
 runs at a time: the next checkpoint save first waits for the previous export (so Trainer's rotation never removes a
 checkpoint still being read), and so does the end of train(). A failed export is one warning naming its log
@@ -58,7 +59,7 @@ def start(checkpoint: str) -> BackgroundExport:
     log = out + ".log"
     with open(log, "w") as stream:
         process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, "export", checkpoint, out], env=env, stdout=stream,
+            [sys.executable, "-c", _CHILD, "export", checkpoint, out, "--overwrite"], env=env, stdout=stream,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     logger.info("mindspeed_hf: exporting %s to %s in the background", checkpoint, out)
     return BackgroundExport(checkpoint, out, log, process)

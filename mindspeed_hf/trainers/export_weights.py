@@ -88,7 +88,7 @@ def _to_hf_format(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
 
 def write_weights(plan: WeightPlan, read: Callable[[list[str]], dict[str, torch.Tensor]], out: str,
                   shapes: dict[str, tuple[torch.Size, torch.dtype]], dtype: torch.dtype | None,
-                  max_shard_size: str) -> torch.dtype:
+                  max_shard_size: str | int) -> torch.dtype:
     """Write the plan's tensors to `out` as save_pretrained would (model*.safetensors, the index when more than one
     file), one file at a time; `read(keys)` gives checkpoint tensors, `shapes` their stored shape and dtype. Returns
     the dtype written (the config records it)."""

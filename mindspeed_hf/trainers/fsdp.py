@@ -236,15 +236,3 @@ def dispatch(trainer: Any, name: str, original: Callable, *args: Any, **kwargs: 
     if name in checkpoints.PLAIN:
         return checkpoints.PLAIN[name](trainer, original, *args, **kwargs)
     return original(*args, **kwargs)
-
-
-def resolve_train_call(trainer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """train(resume_from_checkpoint=...) settled for every run: True -> the newest complete checkpoint that reads,
-    a path checked (COMPLETE marker, readable files); see checkpoints.resolve_resume."""
-    sharded = is_requested(trainer)
-    if args:
-        return (checkpoints.resolve_resume(trainer, args[0], sharded), *args[1:]), kwargs
-    if "resume_from_checkpoint" in kwargs:
-        kwargs = {**kwargs, "resume_from_checkpoint": checkpoints.resolve_resume(
-            trainer, kwargs["resume_from_checkpoint"], sharded)}
-    return args, kwargs

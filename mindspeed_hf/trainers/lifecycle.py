@@ -6,7 +6,8 @@ at each point of its life. wiring.py calls these from Trainer's own methods; not
 - `prepare_model` (before Trainer sees the model): kernels attached, then `parallel.parallelize` (recompute, the mesh
   and each axis's step); under DDP / DeepSpeed a multimodal model's towers kept in step over the ranks;
 - `after_init`: the checks that need Trainer's own state, and the step callback of `moe.balance`;
-- `during_train` (around train()): Liger's patching kept off a model we accelerate, and the kernels watched.
+- `during_train` (around train()): the hang watch, Liger's patching kept off a model we accelerate, and the kernels
+  watched.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from transformers import TrainerCallback
 
 from .. import runtime
 from ..patches import apply
-from ..runtime import Run, attach, resolve_config, run_of, watch
+from ..runtime import Run, attach, elastic, resolve_config, run_of, watch, watchdog
 from . import context, deepspeed, export_background, frameworks, fsdp, seams
 from .notices import release_ddp_notice
 
@@ -39,6 +40,7 @@ def start(trainer: Any, args: Any) -> Run:
         return existing
     resolved = resolve_config(args)
     resolved.log_overrides()
+    elastic.check_launcher()  # a launch whose restarts cannot work: say so once
     deepspeed.check_exclusive(args, resolved)  # DeepSpeed shards the model itself: not with our FSDP2 / CP / EP / TP
     if getattr(args, "use_liger_kernel", False) and not seams.available("apply_liger_kernel"):
         import transformers
@@ -85,11 +87,17 @@ def after_init(trainer: Any) -> None:
 
 @contextlib.contextmanager
 def during_train(trainer: Any) -> Iterator[None]:
-    """Around Trainer.train: Liger's patching kept off a model we accelerate; afterwards, one warning for each
-    patched kernel that never ran, and the last checkpoint's background export waited for."""
-    with _liger_guard(trainer), _watch_kernels(trainer):
-        yield
+    """Around Trainer.train: the hang watch of a multi-process run (runtime/watchdog.py); Liger's patching kept off
+    a model we accelerate; afterwards, one warning for each patched kernel that never ran, and the last checkpoint's
+    background export waited for."""
     run = run_of(trainer)
+    if run is not None:  # the step a hung rank's line names: read from the trainer's state (no callback of ours)
+        watchdog.arm(run.config.parallel.collective_timeout, step_of=lambda: trainer.state.global_step + 1)
+    try:
+        with _liger_guard(trainer), _watch_kernels(trainer):
+            yield
+    finally:
+        watchdog.disarm()
     if run is not None and run.export is not None:
         export_background.finish(run.export)
         run.export = None

@@ -315,6 +315,17 @@ SEAMS: tuple[Seam, ...] = (
     Seam("_get_added_kv_projections", "object",
          "Wan image-to-video's image k/v projections, likewise (patches/diffusion/wan.py)", since="0.42.1",
          package="diffusers", owner="diffusers.models.transformers.transformer_wan", feature="diffusion"),
+    # torch.distributed: what the hang watch reads (runtime/watchdog.py), from its own thread
+    Seam("ProcessGroup._get_sequence_number_for_group", "object",
+         "the collectives a rank has issued (gloo, nccl, hccl count one when it is issued): a rank behind the others "
+         "is named (runtime/watchdog.py)", since="2.6", package="torch", owner="torch.distributed.ProcessGroup",
+         without="the step alone tells a rank behind (runtime/watchdog.py counts the step instead)"),
+    Seam("distributed_c10d._world", "object", "the process groups of this process, whose collectives are counted "
+         "(runtime/watchdog.py)", since="2.6", package="torch", owner="torch.distributed.distributed_c10d",
+         without="the step alone tells a rank behind"),
+    Seam("distributed_c10d._get_default_store", "object", "the store the default process group was set up with: "
+         "the hang watch's heartbeats go there (runtime/watchdog.py)", since="2.6", package="torch",
+         owner="torch.distributed.distributed_c10d", feature="the hang watch (parallel.collective_timeout)"),
 )
 
 

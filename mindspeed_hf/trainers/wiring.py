@@ -16,16 +16,18 @@ is wrapped for DeepSpeed
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..errors import say_once_if_uncaught
 from ..moe import with_load
 from ..patches import scope
 from ..patches.engine import PatchSet
 from ..runtime import run_of
-from . import batching, deepspeed, fsdp, lifecycle, seams
+from . import batching, deepspeed, fsdp, lifecycle, seams, starting
 from .context import split_inputs
 from .notices import ddp_notice_held
 
@@ -39,14 +41,27 @@ def _wrap_init(original: Callable) -> Callable:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Find `model` and `args` however the caller passed them (positionally or by keyword).
         bound = signature.bind(self, *args, **kwargs)
-        lifecycle.start(self, bound.arguments.get("args"))
-        model = bound.arguments.get("model")
-        if model is not None:
-            bound.arguments["model"] = lifecycle.prepare_model(self, model)
+        with _one_line_if_uncaught():
+            lifecycle.start(self, bound.arguments.get("args"))
+            model = bound.arguments.get("model")
+            if model is not None:
+                bound.arguments["model"] = lifecycle.prepare_model(self, model)
         original(*bound.args, **bound.kwargs)
-        lifecycle.after_init(self)
+        with _one_line_if_uncaught():
+            lifecycle.after_init(self)
 
     return __init__
+
+
+@contextlib.contextmanager
+def _one_line_if_uncaught() -> Iterator[None]:
+    """A mistake found while the trainer is built (a setting, its source and the valid choices): raised as usual,
+    and if nobody catches it, one line from rank 0 and every rank exits 1 without a traceback (errors.py)."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as err:
+        say_once_if_uncaught(err)
+        raise
 
 
 def _wrap_call_model_init(original: Callable) -> Callable:
@@ -73,7 +88,7 @@ def _wrap_create_accelerator(original: Callable) -> Callable:
 def _wrap_train(original: Callable) -> Callable:
     @functools.wraps(original)
     def train(self, *args: Any, **kwargs: Any):
-        args, kwargs = fsdp.resolve_train_call(self, args, kwargs)
+        args, kwargs = starting.resolve_train_call(self, args, kwargs)
         with lifecycle.during_train(self):
             return original(self, *args, **kwargs)
 
@@ -179,10 +194,12 @@ def _wrap_arguments_post_init(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def __post_init__(self) -> None:
-        deepspeed.before_arguments(self)
+        with _one_line_if_uncaught():
+            deepspeed.before_arguments(self)
         with ddp_notice_held(self):  # released once the trainer knows whether we shard (release_ddp_notice)
             original(self)
-        deepspeed.after_arguments(self)
+        with _one_line_if_uncaught():
+            deepspeed.after_arguments(self)
 
     return __post_init__
 

@@ -199,3 +199,34 @@ def test_hub_id_loads_from_the_local_cache_offline(tmp_path):
     proc = subprocess.run([sys.executable, "-c", check, str(tmp_path / "run.yaml"), str(snapshot)], env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "LOADED" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_rerun_over_another_runs_checkpoints_is_one_line_before_any_model(tmp_path, monkeypatch, capsys,
+                                                                             no_model_built, restore_wiring):
+    """The issue's rerun: a run saved checkpoints into `out`; the same command again (another process: nothing of
+    this process started there) stops before any model is built, every file as it was."""
+    import json
+
+    from mindspeed_hf.parallel.checkpoint import mark_complete
+    from mindspeed_hf.trainers import starting
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(starting, "_STARTED", set())
+    for step in (10, 20):
+        checkpoint = tmp_path / "out" / f"checkpoint-{step}"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        mark_complete(str(checkpoint), global_step=step)
+    before = {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    (tmp_path / "train.jsonl").write_text("\n".join([GOOD_ROW] * 20) + "\n")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_base()))
+    monkeypatch.setenv("MINDSPEED_HF_AUTO", "1")
+    mindspeed_hf.disable()
+    rc = cli_main.main(["train", str(tmp_path / "run.yaml"), "--skip-quality-eval", "--learning_rate", "1e-2"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("mindspeed-hf train: error:")]
+    assert rc == 2 and len(lines) == 1, err
+    assert "output_dir out holds another run's checkpoints (checkpoint-20, checkpoint-10; the newest at step 20)" in \
+        lines[0] and "--mindspeed_overwrite" in lines[0], lines[0]
+    assert {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()} == before
+    assert not no_model_built

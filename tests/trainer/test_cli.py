@@ -133,8 +133,9 @@ def test_train_resume_flag_continues_the_run(tmp_path):
 def test_train_resume_with_nothing_to_resume_fails_before_work(tmp_path):
     proc = cli(["train", "--output_dir", str(tmp_path / "empty"), "--resume_from_checkpoint"], check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "mindspeed-hf train: error: --resume_from_checkpoint: no checkpoint-N directory in output_dir")
+    assert proc.stderr.strip().splitlines()[-1].startswith(  # Hugging Face's own text first, then ours
+        "mindspeed-hf train: error: --resume_from_checkpoint: No valid checkpoint found in output directory ("
+        f"{tmp_path / 'empty'}): no checkpoint-N directory in output_dir")
 
 
 def test_wrong_size_on_two_ranks_is_one_line_from_rank_0(tmp_path):

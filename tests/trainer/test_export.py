@@ -216,3 +216,106 @@ def test_a_qlora_run_exports_its_adapter(tmp_path):
     assert _max_diff(load_file(os.path.join(adapter, name)), load_file(tmp_path / "peft" / name)) == 0
     with pytest.raises(ValueError, match="is quantized .bitsandbytes.; valid choices: its LoRA adapter"):
         mindspeed_hf.export(checkpoint, tmp_path / "merged", merge_lora=True)
+
+
+# ---------------------------------------------------------------------------------------------- the output directory
+def _snapshot(directory) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _old_export(directory) -> None:
+    """What an earlier export of another model left: four shards and their index, its tokenizer, its README."""
+    model = tiny_model("llama")
+    model.save_pretrained(directory, max_shard_size="20KB")
+    assert len(list(directory.glob("model-0000*-of-*.safetensors"))) >= 4
+    (directory / "tokenizer.json").write_text('{"old": true}')
+    (directory / "README.md").write_text("the old model\n")
+    (directory / "notes.txt").write_text("mine, not a model file\n")
+
+
+def test_a_non_empty_output_is_refused_and_left_byte_identical(tmp_path, capsys):
+    checkpoint = _checkpoint(tmp_path, tiny_model("qwen3"))
+    out = tmp_path / "existing"
+    _old_export(out)
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert command(["export", checkpoint, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"export: the output directory {out} is not empty" in err and "--overwrite" in err
+    assert _snapshot(out) == before
+    with pytest.raises(ValueError, match="not empty"):  # the API too
+        mindspeed_hf.export(checkpoint, out)
+    assert _snapshot(out) == before
+
+
+def test_overwrite_replaces_the_model_and_leaves_no_stale_file(tmp_path, capsys):
+    model = tiny_model("qwen3")
+    checkpoint = _checkpoint(tmp_path, model)
+    out = tmp_path / "existing"
+    _old_export(out)
+    assert command(["export", checkpoint, str(out), "--overwrite"]) == 0, capsys.readouterr().err
+    fresh = mindspeed_hf.export(checkpoint, tmp_path / "fresh")
+    names = sorted(p.name for p in out.iterdir())  # no old shard, index or tokenizer; the user's own file kept
+    assert names == sorted([*os.listdir(fresh), "notes.txt"]), names
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "fresh" / "model.safetensors").read_bytes()
+    assert _max_diff(AutoModelForCausalLM.from_pretrained(out).state_dict(), model.state_dict()) == 0
+    assert "the old model" not in (out / "README.md").read_text()  # written anew, not appended to
+    assert not list(tmp_path.glob(".existing.exporting*"))
+
+
+def test_a_failed_export_leaves_the_output_as_it_was(tmp_path, monkeypatch):
+    """The disk fills while the weights are written: nothing of the half export reaches OUT (it is written beside
+    OUT and moved in once whole), with or without --overwrite."""
+    import errno
+
+    import safetensors.torch
+
+    checkpoint = _checkpoint(tmp_path, tiny_model("qwen3"))
+    out = tmp_path / "existing"
+    _old_export(out)
+    before = _snapshot(out)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(OSError, match="No space left"):
+        mindspeed_hf.export(checkpoint, out, overwrite=True)
+    assert _snapshot(out) == before and not list(tmp_path.glob(".existing.exporting*"))
+    with pytest.raises(OSError, match="No space left"):
+        mindspeed_hf.export(checkpoint, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["{root}/no-such-checkpoint", "{root}/out"], ["export: the checkpoint", "no-such-checkpoint does not exist"]),
+    (["{root}/a-file", "{root}/out"], ["a-file is a file, not a checkpoint directory"]),
+    (["{checkpoint}", "{root}/out", "--shard-size", "banana"], ["--shard-size", "'banana' is not a size",
+                                                                 "KB, MB, GB or TB"]),
+    (["{checkpoint}", "{root}/out", "--shard-size", "0GB"], ["'0GB' is not a size"]),
+    (["{incomplete}", "{root}/out"], ["export:", "no COMPLETE marker", "export an earlier checkpoint"]),
+    (["{checkpoint}", "{root}/a-file"], ["the output", "a-file is a file"]),
+], ids=["missing", "file", "shard-size-word", "shard-size-zero", "incomplete", "output-is-a-file"])
+def test_export_mistakes_are_one_line_about_export(tmp_path, capsys, argv, fragments):
+    model = tiny_model("llama")
+    names = {"root": str(tmp_path), "checkpoint": _checkpoint(tmp_path, model),
+             "incomplete": _checkpoint(tmp_path / "b", model, complete=False)}
+    (tmp_path / "a-file").write_text("x")
+    capsys.readouterr()
+    assert command(["export", *(a.format(**names) for a in argv)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mindspeed-hf export: error: export"), err
+    assert "resume" not in err and "Errno" not in err, err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_shard_sizes_are_read_as_the_writers_read_them():
+    from mindspeed_hf.trainers.export import shard_size
+
+    assert shard_size("5GB") == "5GB" and shard_size(" 500mb ") == "500MB" and shard_size("1.5GB") == "1.5GB"
+    assert shard_size(1000) == 1000 and shard_size("2048") == 2048
+    for bad in ("banana", "5", "GB", "-1GB", "5GiB", "0"):
+        with pytest.raises(ValueError, match="is not a size"):
+            shard_size(bad if bad != "5" else "5 G")

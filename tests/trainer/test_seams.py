@@ -44,7 +44,9 @@ def test_every_replaced_trainer_method_is_a_listed_seam():
 NOT_SEAMS = {"_actions": "argparse.ArgumentParser's actions (Python's standard library)",
              "_kernel_repo": "the `kernels` package's mark on a layer it kernelized (transformers' hub kernels): read "
                              "only to name such a layer among the conflicts (trainers/frameworks.py); kernels is an "
-                             "optional package none of our environments installs"}
+                             "optional package none of our environments installs",
+             "_current_frames": "sys._current_frames, documented (Python's standard library)",
+             "_exit": "os._exit, documented (Python's standard library)"}
 _GETATTR = {"getattr", "setattr", "hasattr", "delattr"}
 _MAPPING_METHODS = {"get", "pop", "setdefault"}  # vars(obj).pop("_x") / obj.__dict__.get("_x")
 
