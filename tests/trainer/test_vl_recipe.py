@@ -122,7 +122,7 @@ def test_padded_batch_gives_each_row_its_own_logits():
 def test_unknown_recipe_is_one_line(capsys):
     assert cli_main.main(["train", "--recipe", "vlm"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "mindspeed-hf train: error: --recipe 'vlm' is not valid; choose one of text, vl, omni"
+    assert err == "mindspeed-hf train: error: --recipe 'vlm' is not valid; choose one of text, vl, omni, diffusion"
     assert cli_main.main(["train", "run.yaml", "--recipe", "vl"]) == 2
     assert "--recipe vl builds its own model and data and takes no CONFIG.yaml" in capsys.readouterr().err
 
