@@ -108,7 +108,15 @@ def emit_report(out: JsonLines, model) -> None:
     out.write(report=mindspeed_hf.report(model), enabled=mindspeed_hf.is_enabled())
 
 
-# Defaults that make the examples a few-second CPU run; every one can be overridden on the command line.
+def _asks_to_save(argv: list[str]) -> bool:
+    """Whether the command line asks for checkpoints (`--save_steps N`) without naming a save strategy."""
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    return "--save_steps" in given and "--save_strategy" not in given
+
+
+# Defaults that make the examples a few-second CPU run; every one can be overridden on the command line. No
+# checkpoints unless the command line asks for them: `--save_steps N` alone saves every N steps (Trainer's own
+# default strategy would ignore it under save_strategy "no").
 QUICK_DEFAULTS = dict(output_dir="./example_output", max_steps=10, per_device_train_batch_size=8,
-                      learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to="none",
-                      disable_tqdm=True, seed=0, bf16=False)
+                      learning_rate=3e-3, logging_steps=1, save_strategy="steps" if _asks_to_save(sys.argv) else "no",
+                      report_to="none", disable_tqdm=True, seed=0, bf16=False)

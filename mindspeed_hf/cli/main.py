@@ -13,44 +13,17 @@ import os
 import sys
 from collections.abc import Callable
 
-from ..config import TRAIN_RECIPES
-
-USAGE = """mindspeed-hf <command> [options]
-
-commands:
-  train [CONFIG.yaml] [--recipe text|vl|omni|diffusion] [--metrics-file F] [--skip-quality-eval]
-        [--resume_from_checkpoint [PATH]] [--debug] [--<TrainingArguments key> VALUE ...]
-        SFT run from a YAML run description (no CONFIG: the embedded tiny default run; --recipe vl: the embedded
-        vision-language run, a tiny Qwen2.5-VL model on synthetic images, transformers >= 5; --recipe omni: the
-        embedded audio + vision run, a tiny Qwen2.5-Omni thinker on synthetic tones and images; --recipe diffusion:
-        a tiny Flux transformer's text-to-image LoRA run in diffusers' loop, needs diffusers); with
-        --resume_from_checkpoint it continues from PATH, or without PATH from the newest complete checkpoint
-        in output_dir. Errors are one line (exit status 2); --debug shows the traceback
-  env   device, versions and the kernel each op uses here, as a markdown table
-  bench [CONFIG.yaml] [--steps N] [--repeats R] [--backend B] [--profile DIR] [--plot FILE.png] [--memory]
-        [--<TrainingArguments key> VALUE ...]
-        the same short run without and with the accelerator, R interleaved pairs, median ratios and spread,
-        then one counted step of each (aten ops, torch_npu calls, saved bytes, largest tensor); --profile: a
-        chrome trace of a few accelerated steps and the top operators; --plot: a chart (needs the [plot] extra);
-        --memory: the memory report of the run instead
-  moe   OUTPUT_DIR [--plot FILE.png]
-        the expert load of a Trainer run on a MoE model (OUTPUT_DIR/moe_load.jsonl): per layer, the busiest expert
-        over the mean at the first and last logged interval and over the run; --plot: the heatmap of each layer's
-        token share per expert, and each layer's imbalance per step (needs the [plot] extra)
-  export CHECKPOINT OUT [--merge-lora] [--dtype bf16|fp16|fp32] [--shard-size 5GB] [--push-to-hub ID] [--overwrite]
-        a checkpoint of any layout (sharded DCP or not; a PEFT run: its adapter, or with --merge-lora the merged
-        model) as a Hugging Face directory, in one CPU process, streamed one output file at a time; --push-to-hub
-        uploads it to that Hub repository. OUT must be new or empty; --overwrite replaces the model files there
-"""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose mistakes are the command's one line (`mindspeed-hf bench: error: ...`, exit status 2), not a
-    usage block followed by the error."""
-
-    def error(self, message: str):  # noqa: D102 - argparse's hook
-        _error(self.prog.removeprefix("mindspeed-hf "), ValueError(f"{message} (--help lists the options)"))
-        raise SystemExit(2)
+from .parsers import (
+    COMMANDS,
+    bench_parser,
+    env_parser,
+    export_parser,
+    moe_parser,
+    parse,
+    say_error,
+    train_parser,
+    usage,
+)
 
 
 def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -79,16 +52,6 @@ def _resume_flag(argv: list[str]) -> list[str]:
     return out
 
 
-def _error(command: str, err: Exception, every_rank: bool = False) -> None:
-    """One line on stderr, from rank 0 only under torchrun (every rank finds the same configuration error; they all
-    exit 2); `every_rank` for a failure that may be one rank's own."""
-    rank = os.environ.get("RANK", "0")
-    if rank == "0" or every_rank:
-        text = " ".join(str(err).split()) or type(err).__name__
-        where = f" (rank {rank})" if rank != "0" else ""
-        print(f"mindspeed-hf {command}{where}: error: {text}", file=sys.stderr)
-
-
 def _enable() -> None:
     """What `import mindspeed_hf` does elsewhere (the command defers it past `--help`, so a bad MINDSPEED_HF_*
     setting is its one-line error): enable the accelerator unless MINDSPEED_HF_AUTO=0."""
@@ -110,12 +73,12 @@ def _one_line_errors(command: str, debug: bool, work: Callable[[], int]) -> int:
     except _INPUT_ERRORS as err:
         if debug:
             raise
-        _error(command, err)
+        say_error(command, err)
         return 2
     except Exception as err:  # noqa: BLE001 - the command's contract: one line, the traceback with --debug
         if debug:
             raise
-        _error(command, RuntimeError(f"{type(err).__name__}: {err} (run again with --debug for the traceback)"),
+        say_error(command, RuntimeError(f"{type(err).__name__}: {err} (run again with --debug for the traceback)"),
                every_rank=True)
         return 2
 
@@ -223,16 +186,10 @@ def _stopped(argv: list[str], output_dir: str | None) -> int:
 def cmd_train(argv: list[str]) -> int:
     """`mindspeed-hf train`."""
     config, rest = _split_config(_resume_flag(argv))
-    parser = _Parser(prog="mindspeed-hf train", allow_abbrev=False, add_help=False)
-    parser.add_argument("--metrics-file", default=None, help="write the run's metrics as JSON here")
-    parser.add_argument("--skip-quality-eval", action="store_true", help="skip the before/after quality check")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
-    parser.add_argument("--recipe", default=None, help="which embedded run: " + ", ".join(TRAIN_RECIPES))
-    parser.add_argument("-h", "--help", action="store_true")
-    own, overrides = parser.parse_known_args(rest)
-    if own.help:
-        print(USAGE)
+    parsed = parse(train_parser(), rest, known=True)
+    if parsed is None:
         return 0
+    own, overrides = parsed
     _setup_logging()
     from .quiet import wants_third_party_output
 
@@ -255,19 +212,10 @@ def cmd_train(argv: list[str]) -> int:
 def cmd_bench(argv: list[str]) -> int:
     """`mindspeed-hf bench`."""
     config, rest = _split_config(argv)
-    parser = _Parser(prog="mindspeed-hf bench", allow_abbrev=False)
-    parser.add_argument("--steps", type=int, default=20, help="training steps per side (default 20)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="interleaved baseline/accelerated pairs; ratios are their median and spread (default 3)")
-    parser.add_argument("--workdir", default=None, help="keep both runs' outputs here (default: a temp dir)")
-    parser.add_argument("--backend", default=None,
-                        help="the accelerated side's kernel backend: auto, torch, npu (where torch_npu loads), cuda")
-    parser.add_argument("--profile", default=None, metavar="DIR",
-                        help="write a chrome trace of a few accelerated steps to DIR/trace.json, print the top ops")
-    parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="draw both runs' losses and the ratios with their spread (needs matplotlib: [plot])")
-    parser.add_argument("--memory", action="store_true", help="print the run's memory report instead")
-    own, overrides = parser.parse_known_args(rest)
+    parsed = parse(bench_parser(), rest, known=True)
+    if parsed is None:
+        return 0
+    own, overrides = parsed
     if own.memory:
         from .memory_report import memory_report
 
@@ -276,20 +224,21 @@ def cmd_bench(argv: list[str]) -> int:
 
     with third_party_quiet():  # other packages' import-time lines held back, as for train
         from .bench import bench, check_options
-        from .run_config import load_run_config
+        from .run_config import build_training_args, load_run_config
 
     try:  # fail here, once, on a bad config, option or MINDSPEED_HF_* value rather than in every subprocess
         from ..config.sources import check_variables
 
         check_variables(os.environ)
         check_options(own.repeats, own.backend, own.steps)
-        load_run_config(config)
+        # the overrides as the children will read them (unknown or bad TrainingArguments values: one line here)
+        build_training_args(load_run_config(config), overrides, accelerated=False)
         if own.plot:
             from .bench_plot import require_matplotlib
 
             require_matplotlib()
     except (ValueError, FileNotFoundError, ImportError) as err:
-        _error("bench", err)
+        say_error("bench", err)
         return 2
     result = bench(config, steps=own.steps, overrides=overrides, workdir=own.workdir, repeats=own.repeats,
                    backend=own.backend, profile=own.profile)
@@ -303,11 +252,10 @@ def cmd_bench(argv: list[str]) -> int:
 
 def cmd_moe(argv: list[str]) -> int:
     """`mindspeed-hf moe OUTPUT_DIR`: cli/moe_report.py; errors are one line (exit status 2)."""
-    parser = _Parser(prog="mindspeed-hf moe", description="the expert load of a MoE Trainer run")
-    parser.add_argument("run_dir", help="the run's output_dir (or its moe_load.jsonl)")
-    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the heatmap (needs matplotlib: [plot])")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    own = parser.parse_args(argv)
+    parsed = parse(moe_parser(), argv)
+    if parsed is None:
+        return 0
+    own = parsed[0]
 
     def run() -> int:
         from .moe_report import plot, summary
@@ -322,17 +270,10 @@ def cmd_moe(argv: list[str]) -> int:
 
 def cmd_export(argv: list[str]) -> int:
     """`mindspeed-hf export CHECKPOINT OUT`: trainers/export.py; errors are one line (exit status 2)."""
-    parser = _Parser(prog="mindspeed-hf export", description="a checkpoint as a Hugging Face model")
-    parser.add_argument("checkpoint")
-    parser.add_argument("out")
-    parser.add_argument("--merge-lora", action="store_true", help="a LoRA run: write the merged full model")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: as saved")
-    parser.add_argument("--shard-size", default="5GB", help="the largest safetensors file (default 5GB)")
-    parser.add_argument("--push-to-hub", metavar="ID", default=None, help="upload the directory to this Hub repository")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="OUT may hold files: the model files there are replaced (default: OUT new or empty)")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    own = parser.parse_args(argv)
+    parsed = parse(export_parser(), argv)
+    if parsed is None:
+        return 0
+    own = parsed[0]
 
     def run() -> int:
         from ..trainers.export import export
@@ -345,25 +286,33 @@ def cmd_export(argv: list[str]) -> int:
     return _one_line_errors("export", own.debug, run)
 
 
+def cmd_env(argv: list[str]) -> int:
+    """`mindspeed-hf env`: cli/env.py."""
+    parsed = parse(env_parser(), argv)
+    if parsed is None:
+        return 0
+    own = parsed[0]
+
+    def run() -> int:
+        from .env import main as env_main
+
+        _enable()
+        return env_main()
+
+    return _one_line_errors("env", own.debug, run)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `mindspeed-hf` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+        print(usage())
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "env":
-        from .env import main as env_main
-
-        def env() -> int:
-            _enable()
-            return env_main()
-
-        return _one_line_errors("env", "--debug" in rest, env)
-    handlers = {"train": cmd_train, "bench": cmd_bench, "moe": cmd_moe, "export": cmd_export}
+    handlers = {"train": cmd_train, "env": cmd_env, "bench": cmd_bench, "moe": cmd_moe, "export": cmd_export}
     if command not in handlers:
-        print(f"mindspeed-hf: error: unknown command {command!r}; choose one of train, env, bench, moe, export "
-              "(mindspeed-hf --help shows their options)", file=sys.stderr)
+        print(f"mindspeed-hf: error: unknown command {command!r}; choose one of {', '.join(COMMANDS)} "
+              "(mindspeed-hf --help shows them)", file=sys.stderr)
         return 2
     return handlers[command](rest)
 

@@ -115,6 +115,13 @@ def remove_recompute(model: nn.Module) -> None:
         selective.unwrap(module)
 
 
+def hf_checkpointing_on(model: nn.Module | None) -> bool:
+    """Whether HF's own gradient checkpointing is switched on anywhere in `model`: what transformers'
+    `is_activation_checkpointing` (`is_gradient_checkpointing` before 5.x, now a deprecated alias that warns) and
+    diffusers' `is_gradient_checkpointing` compute, read without the deprecation warning."""
+    return model is not None and any(bool(getattr(m, "gradient_checkpointing", False)) for m in model.modules())
+
+
 def _layer_checkpointing_on(model: nn.Module) -> bool:
     return any(getattr(layer, "gradient_checkpointing", False) for layer in decoder_layers(model))
 
@@ -149,8 +156,7 @@ def apply_recompute_config(model: nn.Module, memory: MemoryConfig) -> None:
 
 
 def _denoiser_checkpointing_on(model: nn.Module) -> bool:
-    denoiser = diffusion.find_denoiser(model)
-    return denoiser is not None and bool(getattr(denoiser, "is_gradient_checkpointing", False))
+    return hf_checkpointing_on(diffusion.find_denoiser(model))
 
 
 def _denoiser_checkpointing_off(model: nn.Module) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import parallel
 from ..device import detect_device_type, local_rank
-from ..memory.recompute import absorb_hf_checkpointing
+from ..memory.recompute import absorb_hf_checkpointing, hf_checkpointing_on
 from ..moe import AuxFreeBalance, ExpertLoad
 from ..parallel.parallelize import ParallelizeOptions, parallelize
 from ..parallel.towers import keep_media_in_step, tower_modules
@@ -148,6 +148,6 @@ def _recompute_state(model: nn.Module, config: Any) -> str:
     if config.memory.recompute:
         return f"on ({config.memory.recompute_mode})"
     hf_model = apply.find_hf_model(model)
-    if getattr(hf_model, "is_gradient_checkpointing", False):
+    if hf_checkpointing_on(hf_model):
         return "on (Hugging Face gradient checkpointing, switched on the model)"
     return "off"

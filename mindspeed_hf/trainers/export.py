@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -237,7 +238,9 @@ def _from_shards(src: str, out: str, merge_lora: bool, dtype: torch.dtype | None
 
     def read(keys: list[str]) -> dict[str, torch.Tensor]:
         state = {key: torch.empty(stored[key][0], dtype=stored[key][1]) for key in keys}
-        dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that it reads in one process: what no_dist asks it to do
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load({"model": state}, storage_reader=reader, no_dist=True)
         return state
 
     trained = [name for name, param in model.named_parameters() if param.requires_grad] if _is_peft(src) else []

@@ -5,13 +5,36 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mindspeed_hf.cli import bench, summary
 from mindspeed_hf.cli.main import main
+from mindspeed_hf.cli.parsers import COMMANDS
 from mindspeed_hf.ops import registry
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_each_command_has_its_own_help(command, capsys):
+    """`mindspeed-hf CMD --help` describes CMD (its usage and options), does nothing else, even with the arguments
+    it needs left out."""
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: mindspeed-hf {command}") and "-h, --help" in out
+    assert "| setting | value |" not in out  # env: not run
+
+
+def test_top_level_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name}  " in out or f"  {name} " in out for name in COMMANDS)
+
+
+def test_bench_checks_its_training_arguments_before_any_run(capsys):
+    assert main(["bench", "--bogus", "3"]) == 2
+    assert capsys.readouterr().err.strip().endswith("mindspeed-hf bench: error: unknown training argument --bogus")
 
 
 def test_env_prints_markdown_table(capsys):

@@ -99,7 +99,7 @@ def test_an_accelerator_mistake_is_marked_too(monkeypatch, restore_wiring):
     ({}, ["bench", "--steps", "0"], "mindspeed-hf bench: error: --steps=0 must be >= 1"),
     ({}, ["bench", "--steps", "many"], "mindspeed-hf bench: error: argument --steps: invalid int value: 'many'"),
     ({}, ["bench", "--repeats", "0"], "--repeats=0 must be >= 1"),
-    ({}, ["export", "only-one"], "mindspeed-hf export: error: the following arguments are required: out"),
+    ({}, ["export", "only-one"], "mindspeed-hf export: error: the following arguments are required: OUT"),
 ], ids=["auto", "log-level-env", "log-level-bench", "bench-steps-zero", "bench-steps-word", "bench-repeats",
         "export-missing-out"])
 def test_switches_and_numbers_are_checked(monkeypatch, capsys, restore_wiring, env, argv, fragment):
