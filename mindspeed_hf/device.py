@@ -52,6 +52,16 @@ def detect_device_type() -> str:
     return "cpu"
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device `model` runs on (a model on meta: this process's accelerator, where it will be materialised)."""
+    param = next(model.parameters(), None)
+    if param is None:
+        return torch.device("cpu")
+    if param.device.type == "meta":
+        return torch.device(detect_device_type())
+    return param.device
+
+
 def dist_backend(device_type: str) -> str:
     """The torch.distributed backend for a device type (hccl, nccl or gloo)."""
     if device_type not in DIST_BACKENDS:

@@ -17,9 +17,9 @@ from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS, register_attention, unregister_attention
 from . import diffusion, experts, forwards, linear_attention, multimodal, scope, talker, third_party
+from .announce import announce as _announce
 from .engine import FUSED_LAYERS, PATCHES
 from .families import FAMILIES, ModelFamily
-from .reporting import announce as _announce
 from .reporting import family_of, find_hf_model, replacements, report  # noqa: F401  (the package's public API)
 from .reporting import modeling as _modeling
 

@@ -5,20 +5,17 @@ they share with patches/apply.py (a model's transformers model, its family, its 
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import Any
 
-import torch
 from torch import nn
 
 from .. import compat
+from ..device import model_device
 from ..ops import registry
 from ..ops.attention import OUR_ATTENTIONS
 from . import experts, multimodal, quantized, scope, third_party
 from .engine import FUSED_LAYERS, PATCHES
 from .families import FAMILIES, ModelFamily, family_for
-
-logger = logging.getLogger("mindspeed_hf")
 
 OPS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy", "experts", "linear_attention")
 
@@ -48,18 +45,6 @@ def family_of(model: nn.Module) -> ModelFamily | None:
     if hf_model is None:
         return None
     return family_for(getattr(hf_model.config, "model_type", None), tuple(c.__name__ for c in type(hf_model).__mro__))
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """The device `model` runs on (a model on meta: this process's accelerator)."""
-    param = next(model.parameters(), None)
-    if param is None:
-        return torch.device("cpu")
-    if param.device.type == "meta":  # built on meta, to be materialised on this process's accelerator
-        from ..device import detect_device_type
-
-        return torch.device(detect_device_type())
-    return param.device
 
 
 def report(model: nn.Module) -> dict[str, Any]:
@@ -186,17 +171,3 @@ def _op_of(forward: Any) -> str | None:
             return op
         forward = forward.__wrapped__
     return None
-
-
-def announce(model: nn.Module, result: dict[str, Any]) -> None:
-    """Log what was applied, once per model (and again only if it changed)."""
-    applied = ", ".join(f"{op} x{n}" for op, n in result["kernels"].items() if n) or "nothing"
-    line = f"mindspeed_hf: {result['model_type']} on backend {result['backend']}: {applied}"
-    if "vision_kernels" in result:
-        vision = ", ".join(f"{op} x{n}" for op, n in result["vision_kernels"].items() if n) or "nothing"
-        line += f"; vision tower: {vision}"
-    if result.get("audio_kernels", {}).get("attention"):
-        line += f"; audio tower: attention x{result['audio_kernels']['attention']}"
-    if getattr(model, "_mindspeed_announced", None) != line:
-        model._mindspeed_announced = line
-        logger.info(line)

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...device import model_device
 from ...ops import registry
 from .. import scope, third_party
+from ..announce import announce as log_line
 from ..engine import PATCHES
 from . import sites, wan
 from .families import DENOISERS, DenoiserFamily, denoiser_family
@@ -220,8 +222,6 @@ def release() -> None:
 def report(model: nn.Module) -> dict[str, Any]:
     """report() of a diffusers model: patched sites per op on this model, each op's implementation on its device,
     and what ran (executions of our kernels while it ran)."""
-    from ..reporting import model_device
-
     denoiser = find_denoiser(model)
     family = family_of(denoiser)
     device = model_device(model)
@@ -276,6 +276,4 @@ def _sites(denoiser: nn.Module, family: DenoiserFamily, on: dict[str, bool]) -> 
 
 
 def announce(model: nn.Module) -> None:
-    from ..reporting import announce as log_line
-
     log_line(model, report(model))
