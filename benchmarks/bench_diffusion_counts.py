@@ -1,7 +1,7 @@
 """Kernels dispatched per training step (forward + backward + gradient clipping + AdamW step) of diffusers'
 denoisers, plain diffusers vs mindspeed_hf, for the tiny config of every family (tests/tiny_denoisers.py: the same
 models and flow-matching / epsilon losses the parity tests use), with the counting code `mindspeed-hf bench` uses
-(mindspeed_hf/cli/bench_counts.py). Counts, not timings: the same code gives the same table on any machine.
+(mindspeed_hf/bench/counts.py). Counts, not timings: the same code gives the same table on any machine.
 
     python benchmarks/bench_diffusion_counts.py --out benchmarks/results/diffusion_op_counts.md
 
@@ -26,7 +26,7 @@ os.environ["MINDSPEED_HF_AUTO"] = "0"  # import without patching: each accelerat
 from results_io import emit  # noqa: E402  (benchmarks/, beside this script)
 
 import mindspeed_hf  # noqa: E402
-from mindspeed_hf.cli.bench_counts import count_step, measure_saved  # noqa: E402
+from mindspeed_hf.bench.counts import count_step, measure_saved  # noqa: E402
 from mindspeed_hf.config import config_from_dict  # noqa: E402
 from mindspeed_hf.device import import_torch_npu  # noqa: E402
 

@@ -4,7 +4,7 @@
     python benchmarks/bench_offload.py --device cuda --dtype bf16 --layers 8 --seq 4096 --out gpu/offload.md
 
 Each variant (none, offload, full recompute, full recompute + offload) runs in its own process with the same model,
-seed and batch, every kernel on, torch's AdamW (mindspeed_hf.cli.memory_report.measure_step: a warm-up step
+seed and batch, every kernel on, torch's AdamW (mindspeed_hf.bench.memory_report.measure_step: a warm-up step
 allocates gradients, optimizer state and the host buffers, then one step is measured):
 - activations: on CUDA / NPU the allocator's peak over forward + backward minus what was allocated before it (the
   figure offload is for); on the CPU the bytes the forward keeps on the device for backward, less what offload
@@ -54,7 +54,7 @@ def child(args) -> None:
     import torch
 
     import mindspeed_hf
-    from mindspeed_hf.cli.memory_report import measure_step
+    from mindspeed_hf.bench.memory_report import measure_step
     from mindspeed_hf.config import config_from_dict
     from mindspeed_hf.device import device_module
     from mindspeed_hf.parallel.parallelize import parallelize

@@ -1,6 +1,6 @@
 """Operators dispatched per training step (forward + backward + AdamW step), plain Hugging Face vs mindspeed_hf, for
 the tiny config of every family (tests/tiny_models.py), with the counting code `mindspeed-hf bench` uses
-(mindspeed_hf/cli/bench_counts.py). Counts, not timings: the same code gives the same table on any machine.
+(mindspeed_hf/bench/counts.py). Counts, not timings: the same code gives the same table on any machine.
 
 The optimizer is the one Trainer builds by default on both sides (`optim="adamw_torch_fused"` on every supported
 transformers release with torch >= 2.8): torch.optim.AdamW(fused=True) over Trainer's two parameter groups (with and
@@ -31,7 +31,7 @@ from results_io import emit  # noqa: E402  (benchmarks/, beside this script)
 from tiny_models import FAMILY_CONFIGS, VOCAB, tiny_model  # noqa: E402
 
 import mindspeed_hf  # noqa: E402
-from mindspeed_hf.cli.bench_counts import count_model_step  # noqa: E402
+from mindspeed_hf.bench.counts import count_model_step  # noqa: E402
 from mindspeed_hf.config import config_from_dict  # noqa: E402
 from mindspeed_hf.device import import_torch_npu  # noqa: E402
 

@@ -76,8 +76,8 @@ def worker(args) -> dict:
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     import mindspeed_hf  # MINDSPEED_HF_AUTO decides whether this patches anything
-    from mindspeed_hf.cli.default_run import TOKENIZER_DIR
     from mindspeed_hf.device import peak_memory_bytes, reset_peak_memory
+    from mindspeed_hf.recipes.default_run import TOKENIZER_DIR
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     from transformers import AutoTokenizer

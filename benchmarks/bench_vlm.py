@@ -5,7 +5,7 @@ patch 2, 2 x 2 merger, window 112 px with full attention in the last block (Qwen
 layers, hidden 256, intermediate 768, 4 heads of 64 (2 KV), M-RoPE sections (8, 12, 12), vocab 151936, untied
 lm_head. Batch: 2 rows, each with 2 images of 448 x 448 (32 x 32 patches: 1024 patches, 256 image tokens each;
 4096 patches per step) and 400 random text tokens; labels on the text, -100 on image and vision-special tokens; the
-collator is mindspeed_hf.cli.vl_data.VLCollator (mm_token_type_ids carried). AdamW (lr 1e-4, constant), transformers
+collator is mindspeed_hf.recipes.vl_data.VLCollator (mm_token_type_ids carried). AdamW (lr 1e-4, constant), transformers
 Trainer, STEPS steps. Each side runs in its own subprocess, the pairs alternately (MINDSPEED_HF_AUTO=0 for plain HF,
 =1 for mindspeed_hf: the import patches what its families describe, the fused chunked loss included):
 peak memory is the subprocess's resident-set high-water mark (ru_maxrss: interpreter, weights, gradients and AdamW
@@ -78,7 +78,7 @@ def worker(threads: int) -> dict:
     )
 
     import mindspeed_hf
-    from mindspeed_hf.cli.vl_data import VLCollator
+    from mindspeed_hf.recipes.vl_data import VLCollator
 
     if threads:
         torch.set_num_threads(threads)

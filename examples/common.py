@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, TrainerCallback
 
-from mindspeed_hf.cli.default_run import TOKENIZER_DIR, TRAIN_FILE
+from mindspeed_hf.recipes.default_run import TOKENIZER_DIR, TRAIN_FILE
 
 
 @dataclass

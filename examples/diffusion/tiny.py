@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from mindspeed_hf.cli import diffusion_data as data
-from mindspeed_hf.cli.diffusion_data import (  # noqa: F401  (the scripts use them as tiny.NAME)
+from mindspeed_hf.recipes import diffusion_data as data
+from mindspeed_hf.recipes.diffusion_data import (  # noqa: F401  (the scripts use them as tiny.NAME)
     TEXT_DIM,
     TEXT_TOKENS,
     collate,

@@ -1,5 +1,5 @@
 """Build what the framework examples and tests train: a tiny Qwen3 (random weights, built from a config) saved
-with the tokenizer that ships in mindspeed_hf/cli/default_run, and a small instruction dataset in the formats the
+with the tokenizer that ships in mindspeed_hf/recipes/default_run, and a small instruction dataset in the formats the
 frameworks read (Alpaca JSON for LLaMA-Factory and axolotl, messages JSONL for ms-swift), registered in a
 LLaMA-Factory dataset_info.json. Nothing is downloaded.
 

@@ -26,15 +26,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForImageTextToText, HfArgumentParser, Trainer, TrainingArguments
 
-from mindspeed_hf.cli.omni_data import (
+from mindspeed_hf.recipes.omni import IMAGE_SIZE, tiny_omni_config
+from mindspeed_hf.recipes.omni_data import (
     OmniCollator,
     audio_token_rule,
     encode_omni,
     make_omni_examples,
     make_omni_tokenizer,
 )
-from mindspeed_hf.cli.omni_recipe import IMAGE_SIZE, tiny_omni_config
-from mindspeed_hf.cli.vl_data import PatchLayout
+from mindspeed_hf.recipes.vl_data import PatchLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/common.py: loss lines and the report
 from common import QUICK_DEFAULTS, JsonLines, LossLogger, emit_report  # noqa: E402

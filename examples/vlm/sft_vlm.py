@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForImageTextToText, HfArgumentParser, Trainer, TrainingArguments
 
-from mindspeed_hf.cli.vl_data import PatchLayout, VLCollator, encode_vl, make_examples, make_tokenizer
-from mindspeed_hf.cli.vl_recipe import IMAGE_SIZE, VL_MODEL_TYPES, check_transformers, tiny_vl_config
+from mindspeed_hf.recipes.vl import IMAGE_SIZE, VL_MODEL_TYPES, check_transformers, tiny_vl_config
+from mindspeed_hf.recipes.vl_data import PatchLayout, VLCollator, encode_vl, make_examples, make_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/common.py: loss lines and the report
 from common import QUICK_DEFAULTS, JsonLines, LossLogger, emit_report  # noqa: E402

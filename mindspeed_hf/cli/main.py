@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from ..recipes.run_config import split_config
 from .parsers import (
     COMMANDS,
     bench_parser,
@@ -24,12 +25,6 @@ from .parsers import (
     train_parser,
     usage,
 )
-
-
-def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
-    if argv and not argv[0].startswith("-"):
-        return argv[0], argv[1:]
-    return None, argv
 
 
 def _setup_logging() -> None:
@@ -100,17 +95,17 @@ def _train_media(recipe: str, overrides: list[str], metrics_file: str | None, qu
                  run_state: dict[str, str]) -> int:
     """`mindspeed-hf train --recipe vl|omni`: its TrainingArguments first (bad values fail before any model)."""
     _enable()
-    from .train import check_resume
+    from ..recipes.text import check_resume
 
     if recipe == "vl":
-        from .vl_recipe import run_vl_training as run
-        from .vl_recipe import vl_training_args as training_args
+        from ..recipes.vl import run_vl_training as run
+        from ..recipes.vl import vl_training_args as training_args
     elif recipe == "diffusion":
-        from .diffusion_recipe import diffusion_training_args as training_args
-        from .diffusion_recipe import run_diffusion_training as run
+        from ..recipes.diffusion import diffusion_training_args as training_args
+        from ..recipes.diffusion import run_diffusion_training as run
     else:
-        from .omni_recipe import omni_training_args as training_args
-        from .omni_recipe import run_omni_training as run
+        from ..recipes.omni import omni_training_args as training_args
+        from ..recipes.omni import run_omni_training as run
     args = training_args(overrides)
     check_resume(args)
     run_state["output_dir"] = str(args.output_dir)
@@ -126,7 +121,7 @@ def _imports(config: str | None, recipe: str | None, quiet: bool) -> str:
     with third_party_quiet(quiet):
         name = _check_recipe(recipe, config)
         _enable()
-        from . import train  # noqa: F401 - imported here, inside the quiet block
+        from ..recipes import text  # noqa: F401 - imported here, inside the quiet block
 
         preload()
     return name
@@ -134,9 +129,9 @@ def _imports(config: str | None, recipe: str | None, quiet: bool) -> str:
 
 def _train_text(config: str | None, overrides: list[str], own: argparse.Namespace, run_state: dict[str, str]) -> int:
     """The text recipe: configuration errors are one clear line, before any model is built."""
+    from ..recipes.run_config import load_run_config
+    from ..recipes.text import check_parallel_sizes, check_resume, run_training, training_args_for
     from ..trainers.notices import ddp_notice_held
-    from .run_config import load_run_config
-    from .train import check_parallel_sizes, check_resume, run_training, training_args_for
 
     run = load_run_config(config)
     with ddp_notice_held() as notice:  # transformers' DDP notice: not about a model we shard
@@ -185,7 +180,7 @@ def _stopped(argv: list[str], output_dir: str | None) -> int:
 
 def cmd_train(argv: list[str]) -> int:
     """`mindspeed-hf train`."""
-    config, rest = _split_config(_resume_flag(argv))
+    config, rest = split_config(_resume_flag(argv))
     parsed = parse(train_parser(), rest, known=True)
     if parsed is None:
         return 0
@@ -211,20 +206,20 @@ def cmd_train(argv: list[str]) -> int:
 
 def cmd_bench(argv: list[str]) -> int:
     """`mindspeed-hf bench`."""
-    config, rest = _split_config(argv)
+    config, rest = split_config(argv)
     parsed = parse(bench_parser(), rest, known=True)
     if parsed is None:
         return 0
     own, overrides = parsed
     if own.memory:
-        from .memory_report import memory_report
+        from ..bench.memory_report import memory_report
 
         return memory_report(config, overrides)
     from .quiet import third_party_quiet
 
     with third_party_quiet():  # other packages' import-time lines held back, as for train
-        from .bench import bench, check_options
-        from .run_config import build_training_args, load_run_config
+        from ..bench.run import bench, check_options
+        from ..recipes.run_config import build_training_args, load_run_config
 
     try:  # fail here, once, on a bad config, option or MINDSPEED_HF_* value rather than in every subprocess
         from ..config.sources import check_variables
@@ -234,7 +229,7 @@ def cmd_bench(argv: list[str]) -> int:
         # the overrides as the children will read them (unknown or bad TrainingArguments values: one line here)
         build_training_args(load_run_config(config), overrides, accelerated=False)
         if own.plot:
-            from .bench_plot import require_matplotlib
+            from ..bench.plot import require_matplotlib
 
             require_matplotlib()
     except (ValueError, FileNotFoundError, ImportError) as err:
@@ -244,7 +239,7 @@ def cmd_bench(argv: list[str]) -> int:
                    backend=own.backend, profile=own.profile)
     print(result.report)
     if own.plot:
-        from .bench_plot import plot
+        from ..bench.plot import plot
 
         print(f"\nchart: {plot(result.bases, result.fasts, own.plot, result.counts)}")
     return 0

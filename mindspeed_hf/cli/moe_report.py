@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..bench.plot import require_matplotlib
 from ..moe import ExpertLoad
-from .bench_plot import require_matplotlib
 
 
 def read_history(run_dir: str | Path) -> tuple[list[int | None], torch.Tensor]:

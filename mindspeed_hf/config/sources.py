@@ -273,7 +273,7 @@ def checkpointing_layer(args: Any) -> Layer:
     return Layer(f"TrainingArguments ({switch})", {"memory.recompute": True}, {"memory.recompute": switch})
 
 
-#: where a run file's layer rides on its TrainingArguments (`mindspeed-hf train RUN.yaml`: cli/run_config.py)
+#: where a run file's layer rides on its TrainingArguments (`mindspeed-hf train RUN.yaml`: recipes/run_config.py)
 _RUN_FILE = "mindspeed_run_file"
 
 

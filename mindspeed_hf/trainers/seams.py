@@ -167,9 +167,9 @@ SEAMS: tuple[Seam, ...] = (
          "PreTrainedModel has no public from_config, only the Auto classes)", owner="transformers.PreTrainedModel",
          feature="sharded loading (parallel/loading.py)"),
     Seam("Qwen2_5OmniAudioEncoder._get_feat_extract_output_lengths", "object",
-         "the Omni recipe counts a clip's audio placeholder tokens by the audio tower's own length rule "
-         "(cli/omni_data.py)", owner="transformers.models.qwen2_5_omni.modeling_qwen2_5_omni.Qwen2_5OmniAudioEncoder",
-         feature="mindspeed-hf train --recipe omni (cli/omni_data.py)"),
+         "the Omni recipe counts a clip's audio placeholder tokens by the audio tower's own length rule",
+         owner="transformers.models.qwen2_5_omni.modeling_qwen2_5_omni.Qwen2_5OmniAudioEncoder",
+         feature="mindspeed-hf train --recipe omni (recipes/omni_data.py)"),
     Seam("PreTrainedModel._init_weights", "object",
          "recomputes non-persistent buffers (rotary inv_freq) after meta init (parallel/loading.py)",
          owner="transformers.PreTrainedModel", feature="sharded loading (parallel/loading.py)"),
@@ -241,7 +241,7 @@ SEAMS: tuple[Seam, ...] = (
          "device and no storage, computed on first use (patches/lazy_logits.py)", since="2.6", package="torch",
          owner="torch.Tensor"),
     Seam("UntypedStorage._cdata", "object",
-         "a storage's identity (memory/offload.py, memory/measure.py, cli/memory_report.py, cli/bench_counts.py)",
+         "a storage's identity (memory/offload.py, memory/measure.py, bench/memory_report.py, bench/counts.py)",
          since="2.6", package="torch", owner="torch.UntypedStorage",
          feature="activation offload and memory measurement", accessor="storage_key"),
     Seam("torch._C", "object", "torch's C extension module, for the names below", since="2.6", package="torch",
@@ -250,7 +250,7 @@ SEAMS: tuple[Seam, ...] = (
          "(memory/offload.py)", since="2.6", package="torch", owner="torch._C",
          feature="activation offload (memory/offload.py)"),
     Seam("torch._C._current_autograd_node", "object", "backward op counts of `mindspeed-hf bench` "
-         "(cli/bench_counts.py); a forward rerun in backward by recompute is not counted again in the MoE load "
+         "(bench/counts.py); a forward rerun in backward by recompute is not counted again in the MoE load "
          "(moe/load.py)", since="2.6", package="torch", owner="torch._C", accessor="current_autograd_node"),
     Seam("torch._C._dispatch_key_for_device", "object", "which bitsandbytes kernel runs, for report() "
          "(patches/quantized.py)", since="2.6", package="torch", owner="torch._C",

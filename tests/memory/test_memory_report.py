@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from mindspeed_hf.cli.memory_report import MODES, memory_report
+from mindspeed_hf.bench.memory_report import MODES, memory_report
 
 RUN = """\
 model:

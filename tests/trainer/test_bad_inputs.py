@@ -12,8 +12,8 @@ import yaml
 
 import mindspeed_hf
 from mindspeed_hf.cli import main as cli_main
-from mindspeed_hf.cli import train as cli_train
-from mindspeed_hf.cli.default_run import DEFAULT_RUN_CONFIG, DEFAULT_RUN_DIR
+from mindspeed_hf.recipes import text as cli_train
+from mindspeed_hf.recipes.default_run import DEFAULT_RUN_CONFIG, DEFAULT_RUN_DIR
 
 GOOD_ROW = '{"prompt": "copy : a b =", "completion": " a b"}'
 
@@ -185,8 +185,8 @@ def test_hub_id_loads_from_the_local_cache_offline(tmp_path):
     check = (
         "import sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"
-        "from mindspeed_hf.cli.run_config import load_run_config\n"
-        "from mindspeed_hf.cli.train import build_model, load_tokenizer\n"
+        "from mindspeed_hf.recipes.run_config import load_run_config\n"
+        "from mindspeed_hf.recipes.text import build_model, load_tokenizer\n"
         "spec = load_run_config(sys.argv[1]).model\n"
         "assert spec.name_or_path == spec.tokenizer == 'tiny-org/tiny-qwen3', spec\n"
         "loaded = build_model(spec, load_tokenizer(spec)).state_dict()\n"

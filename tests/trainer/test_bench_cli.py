@@ -12,7 +12,7 @@ import pytest
 from child_runs import REPO
 from conftest import cli
 
-from mindspeed_hf.cli import bench_plot
+from mindspeed_hf.bench import plot as bench_plot
 
 STANDIN = REPO / "tests" / "npu_standin"
 
@@ -99,7 +99,7 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch):
 
 
 def test_self_time_is_duration_less_nested_events_per_thread():
-    from mindspeed_hf.cli.bench_profile import self_times
+    from mindspeed_hf.bench.profile import self_times
 
     span = {"ph": "X", "cat": "cpu_op", "pid": 1}
     events = [dict(span, name="outer", ts=0, dur=10, tid=1), dict(span, name="inner", ts=2, dur=3, tid=1),

@@ -1,4 +1,4 @@
-"""The device-independent proxies of `mindspeed-hf bench` (cli/bench_counts.py), counted on tiny models in this
+"""The device-independent proxies of `mindspeed-hf bench` (bench/counts.py), counted on tiny models in this
 process against plain Hugging Face: the same code gives the same counts, and the npu path (through the stand-in)
 dispatches fewer kernels than plain HF, one torch_npu call per patched site."""
 
@@ -9,7 +9,7 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 import mindspeed_hf
-from mindspeed_hf.cli.bench_counts import count_model_step
+from mindspeed_hf.bench.counts import count_model_step
 from mindspeed_hf.config import config_from_dict
 
 BATCH, SEQ = 2, 32

@@ -10,10 +10,11 @@ import torch
 from conftest import cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mindspeed_hf.cli import bench, summary
+from mindspeed_hf.bench import run as bench
 from mindspeed_hf.cli.main import main
 from mindspeed_hf.cli.parsers import COMMANDS
 from mindspeed_hf.ops import registry
+from mindspeed_hf.recipes import summary
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))

@@ -15,9 +15,9 @@ import warnings
 
 from child_runs import REPO, child_env, torchrun
 
-from mindspeed_hf.cli import summary
 from mindspeed_hf.cli.quiet import third_party_quiet
 from mindspeed_hf.parallel.checkpoint import COMPLETE_MARKER
+from mindspeed_hf.recipes import summary
 
 DEEPSPEED_NOTICE = "Setting accelerator to CPU"  # deepspeed's import-time line on a CPU machine (DS_ACCELERATOR unset)
 DDP_NOTICE = "parallel_mode != ParallelMode.DISTRIBUTED"
@@ -48,7 +48,7 @@ def test_third_party_quiet_keeps_ours_and_errors(caplog):
                 logging.getLogger("bitsandbytes").error("a real failure")
                 logging.getLogger("mindspeed_hf").warning("ours")
                 warnings.warn_explicit("third-party", UserWarning, "x.py", 1, module="somepkg")
-                warnings.warn_explicit("our own", UserWarning, "y.py", 1, module="mindspeed_hf.cli.train")
+                warnings.warn_explicit("our own", UserWarning, "y.py", 1, module="mindspeed_hf.recipes.text")
         logging.getLogger("bitsandbytes").warning("after the block")
     finally:
         logging.getLogger().removeHandler(keep)

@@ -15,8 +15,8 @@ pytest.importorskip("diffusers")
 def test_recipe_learns_and_writes_a_loadable_checkpoint(tmp_path):
     from diffusers import FluxTransformer2DModel
 
-    from mindspeed_hf.cli import diffusion_data as data
-    from mindspeed_hf.cli.diffusion_recipe import LATENT, N_EVAL, held_out_loss
+    from mindspeed_hf.recipes import diffusion_data as data
+    from mindspeed_hf.recipes.diffusion import LATENT, N_EVAL, held_out_loss
 
     metrics = tmp_path / "metrics.json"
     cli(["train", "--recipe", "diffusion", "--max_steps", "60", "--output_dir", str(tmp_path / "out"),

@@ -45,7 +45,7 @@ def test_same_losses_with_and_without_accelerator(script, tmp_path):
 def _vl_forward_takes_mm_token_types() -> bool:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from mindspeed_hf.cli.vl_data import takes_mm_token_types
+    from mindspeed_hf.recipes.vl_data import takes_mm_token_types
 
     return takes_mm_token_types(Qwen2_5_VLForConditionalGeneration)
 

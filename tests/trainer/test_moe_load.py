@@ -13,7 +13,7 @@ from tiny_models import tiny_model
 from transformers import Trainer, TrainingArguments
 
 import mindspeed_hf
-from mindspeed_hf.cli.bench_plot import matplotlib_available
+from mindspeed_hf.bench.plot import matplotlib_available
 from mindspeed_hf.config import config_from_dict
 
 FIVE = int(__import__("transformers").__version__.split(".")[0]) >= 5

@@ -14,9 +14,10 @@ from conftest import cli
 from transformers import AutoModelForImageTextToText, Qwen2_5_VLForConditionalGeneration
 
 from mindspeed_hf.cli import main as cli_main
-from mindspeed_hf.cli import summary
-from mindspeed_hf.cli.data import IGNORE_INDEX
-from mindspeed_hf.cli.omni_data import (
+from mindspeed_hf.recipes import summary
+from mindspeed_hf.recipes.data import IGNORE_INDEX
+from mindspeed_hf.recipes.omni import IMAGE_SIZE, N_EVAL, omni_datasets, tiny_omni_config
+from mindspeed_hf.recipes.omni_data import (
     AUDIO_PAD,
     IMAGE_PAD,
     MEL_BINS,
@@ -27,8 +28,7 @@ from mindspeed_hf.cli.omni_data import (
     make_omni_examples,
     make_omni_tokenizer,
 )
-from mindspeed_hf.cli.omni_recipe import IMAGE_SIZE, N_EVAL, omni_datasets, tiny_omni_config
-from mindspeed_hf.cli.vl_data import PatchLayout, takes_mm_token_types
+from mindspeed_hf.recipes.vl_data import PatchLayout, takes_mm_token_types
 
 NEW = takes_mm_token_types(Qwen2_5_VLForConditionalGeneration)
 needs_5 = pytest.mark.skipif(not NEW, reason="the Omni recipe needs transformers >= 5 (rope_parameters configs)")
@@ -160,7 +160,7 @@ def test_short_run_has_plain_hf_losses(tmp_path):
 def test_recipe_learns_and_writes_a_loadable_checkpoint(tmp_path):
     """A shortened accelerated run lifts held-out exact match from 0 to well above chance (about 1/3 over the three
     questions), and the checkpoint, loaded by plain HF, scores exactly the accuracy the run printed."""
-    from mindspeed_hf.cli.vl_recipe import answer_accuracy
+    from mindspeed_hf.recipes.vl import answer_accuracy
 
     result = _run(tmp_path, "out", True, "--max_steps", "200")
     assert result["steps"] == 200

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from conftest import cli
 
-from mindspeed_hf.cli import run_config
-from mindspeed_hf.cli.default_run import DEFAULT_RUN_CONFIG
 from mindspeed_hf.config import read_config_file
+from mindspeed_hf.recipes import run_config
+from mindspeed_hf.recipes.default_run import DEFAULT_RUN_CONFIG
 
 BASE = read_config_file(DEFAULT_RUN_CONFIG)
 

@@ -183,9 +183,9 @@ def test_resume_mid_epoch_trains_the_same_batches(tmp_path):
 
 def test_every_source_names_it_as_the_issue_does():
     """The run YAML's data section, MINDSPEED_HF_DATA_MAX_TOKENS_PER_BATCH and --mindspeed_max_tokens_per_batch."""
-    from mindspeed_hf.cli.default_run import DEFAULT_RUN_DIR
-    from mindspeed_hf.cli.run_config import parse_run_config
     from mindspeed_hf.config.schema import SETTINGS
+    from mindspeed_hf.recipes.default_run import DEFAULT_RUN_DIR
+    from mindspeed_hf.recipes.run_config import parse_run_config
 
     run = parse_run_config({"model": {"config": {"model_type": "qwen3"}, "tokenizer": "tokenizer"},
                             "data": {"train": "train.jsonl", "max_tokens_per_batch": 128}}, DEFAULT_RUN_DIR)

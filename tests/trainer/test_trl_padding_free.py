@@ -13,9 +13,9 @@ import torch
 from transformers import AutoTokenizer
 
 import mindspeed_hf
-from mindspeed_hf.cli.default_run import TOKENIZER_DIR, TRAIN_FILE
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.device import import_torch_npu
+from mindspeed_hf.recipes.default_run import TOKENIZER_DIR, TRAIN_FILE
 
 trl = pytest.importorskip("trl")
 STEPS, ROWS = 3, 4

@@ -14,8 +14,8 @@ from conftest import cli
 from transformers import AutoModelForImageTextToText, Qwen2_5_VLForConditionalGeneration
 
 from mindspeed_hf.cli import main as cli_main
-from mindspeed_hf.cli.data import IGNORE_INDEX, pack
-from mindspeed_hf.cli.vl_data import (
+from mindspeed_hf.recipes.data import IGNORE_INDEX, pack
+from mindspeed_hf.recipes.vl_data import (
     IMAGE_PAD,
     VISION_END,
     VISION_START,
@@ -100,7 +100,7 @@ def test_packing_refuses_image_rows():
 def test_padded_batch_gives_each_row_its_own_logits():
     """Plain HF Qwen2.5-VL: a padded batch of three images of different grids equals each example alone (fp32,
     1e-5); dropping mm_token_type_ids changes the logits (1-D positions), so the collator's field is what counts."""
-    from mindspeed_hf.cli.vl_recipe import tiny_vl_config
+    from mindspeed_hf.recipes.vl import tiny_vl_config
 
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
@@ -137,7 +137,7 @@ def test_recipe_says_it_needs_transformers_5(capsys):
 def test_recipe_learns_and_writes_a_loadable_checkpoint(tmp_path):
     """A shortened recipe run (accelerated) lifts held-out exact match from 0 to well above chance (25%), and the
     checkpoint, loaded by plain HF, scores exactly the accuracy the run printed."""
-    from mindspeed_hf.cli.vl_recipe import N_EVAL, answer_accuracy, vl_datasets
+    from mindspeed_hf.recipes.vl import N_EVAL, answer_accuracy, vl_datasets
 
     metrics = tmp_path / "metrics.json"
     proc = cli(["train", "--recipe", "vl", "--max_steps", "100", "--output_dir", str(tmp_path / "out"),

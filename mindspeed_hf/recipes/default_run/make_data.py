@@ -1,6 +1,6 @@
 """Regenerate the embedded default run's data: a word-level tokenizer and a synthetic instruction dataset.
 
-    python -m mindspeed_hf.cli.default_run.make_data
+    python -m mindspeed_hf.recipes.default_run.make_data
 
 The task is small enough for a ~600K-parameter model to learn in a few hundred steps on two CPU cores, and
 structured enough that held-out exact-match accuracy shows it: five list operations (copy, reverse, sort,

@@ -45,7 +45,7 @@ def run_one(config: str | None, auto: str, workdir: Path, steps: int, overrides:
     """One timed `train` run (bench_child timed) in a subprocess; returns its metrics JSON."""
     name = ("accelerated" if auto == "1" else "baseline") + tag
     metrics = workdir / f"{name}.json"
-    _run_side(name, [sys.executable, "-m", "mindspeed_hf.cli.bench_child", "timed", *([config] if config else []),
+    _run_side(name, [sys.executable, "-m", "mindspeed_hf.bench.child", "timed", *([config] if config else []),
                      "--out", str(metrics), "--output_dir", str(workdir / name), "--max_steps", str(steps),
                      "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true", *overrides], auto)
     return json.loads(metrics.read_text())
@@ -149,7 +149,7 @@ def run_counts(config: str | None, auto: str, workdir: Path, overrides: list[str
     """The counted run (bench_counts) of one side in a subprocess, optionally profiling a few more steps."""
     name = ("accelerated" if auto == "1" else "baseline") + "_counted"
     out = workdir / f"{name}.json"
-    _run_side(name, [sys.executable, "-m", "mindspeed_hf.cli.bench_child", "counted", *([config] if config else []),
+    _run_side(name, [sys.executable, "-m", "mindspeed_hf.bench.child", "counted", *([config] if config else []),
                      "--out", str(out), *(["--profile", profile] if profile else []),
                      "--output_dir", str(workdir / name), *overrides], auto, stage="bench counted")
     return json.loads(out.read_text())
@@ -197,7 +197,7 @@ def bench(config: str | None, steps: int = 20, overrides: list[str] | None = Non
                   "accelerated": run_counts(config, "1", root, sides["1"], profile=profile)}
     report = compare(bases, fasts) + "\n\n" + count_table(counts["baseline"], counts["accelerated"])
     if profile:
-        from .bench_profile import TRACE_NAME, top_ops
+        from .profile import TRACE_NAME, top_ops
 
         report += "\n\n" + top_ops(Path(profile) / TRACE_NAME)
     return BenchResult(bases, fasts, counts, report)

@@ -6,7 +6,7 @@ accelerator config: mindspeed_hf.config), `training` (any transformers.TrainingA
 before/after quality check) and `runtime` (process settings). Everything is checked here, before any model is built:
 unknown keys name the key and the valid ones, and missing files name the setting that points at them.
 
-Relative paths are relative to the YAML file; `builtin:NAME` names a file shipped in cli/default_run.
+Relative paths are relative to the YAML file; `builtin:NAME` names a file shipped in recipes/default_run.
 """
 
 from __future__ import annotations
@@ -88,6 +88,15 @@ SECTIONS = ("model", "data", "parallel", "features", "moe", "checkpoints", "trai
 # `features` is flat, MindSpeed-MM style: the backend, every kernel switch and every memory feature.
 FEATURE_KEYS = ("backend", *(f.name for f in dataclasses.fields(KernelConfig)),
                 *(f.name for f in dataclasses.fields(MemoryConfig)))
+
+
+def split_config(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(CONFIG.yaml or None, the rest) of a `train` / `bench` command line: the run file is its first word when that
+    is not an option. Taken by hand rather than as an argparse positional, which would take the value of an unknown
+    option (the `5` of `--max_steps 5`) for it."""
+    if argv and not argv[0].startswith("-"):
+        return argv[0], argv[1:]
+    return None, argv
 
 
 def _check_keys(where: str, values: Any, valid: list[str] | tuple[str, ...]) -> dict[str, Any]:

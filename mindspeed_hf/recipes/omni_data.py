@@ -3,7 +3,7 @@
 Each example is one short audio clip, one image and one question about either. The clip is a log-mel spectrogram
 generated directly (no audio library, no waveform): quiet broadband noise with one tone in it, whose pitch (the
 mel band it sits in: low, mid or high) and duration (short or long) vary; the clips themselves have different
-lengths, so a batch is padded. The image is the VL recipe's (cli/vl_data.py: one coloured shape in one quadrant).
+lengths, so a batch is padded. The image is the VL recipe's (recipes/vl_data.py: one coloured shape in one quadrant).
 Questions: "what is the pitch" -> "high", "what is the length" -> "short", "what is the colour" -> "red".
 
 Rows are built without a processor, the way Qwen2.5-Omni's processor lays them out:

@@ -1,7 +1,7 @@
 """`mindspeed-hf train --recipe vl`: the embedded vision-language run.
 
 A tiny Qwen2.5-VL-architecture model (vision tower with windowed and full attention, patch merger, M-RoPE text
-decoder) built from a config learns to answer questions about synthetic images (cli/vl_data.py: the colour or the
+decoder) built from a config learns to answer questions about synthetic images (recipes/vl_data.py: the colour or the
 quadrant of one coloured shape). It prints held-out loss and exact-match accuracy before and after
 training, like the text default run, and writes a checkpoint (model + tokenizer) that
 `AutoModelForImageTextToText.from_pretrained` loads. Any `--<TrainingArguments key> VALUE` overrides the recipe's
@@ -21,7 +21,7 @@ from ..config import MindSpeedConfig
 from ..device import detect_device_type
 from .data import IGNORE_INDEX
 from .run_config import DataSpec, ModelSpec, RunConfig, build_training_args
-from .train import ThroughputCallback, _resume_target, collect_result, evaluating, print_summary, write_metrics
+from .text import ThroughputCallback, _resume_target, collect_result, evaluating, print_summary, write_metrics
 from .vl_data import (
     IMAGE_PAD,
     VIDEO_PAD,

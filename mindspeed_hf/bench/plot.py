@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .bench import FIGURES, PROXIES, RUNS, proxy_value, ratio_stats
+from .run import FIGURES, PROXIES, RUNS, proxy_value, ratio_stats
 
 
 def matplotlib_available() -> bool:

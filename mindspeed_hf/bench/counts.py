@@ -200,9 +200,9 @@ def counted_run(config: str | None, overrides: list[str], out: str, profile: str
     third's saved tensors measured; writes
     the counts (plus model_type and applied kernels) to `out` as JSON and returns them. With `profile`, then
     `profile_steps` more steps under the profiler, traced into that directory (bench_profile)."""
-    from .bench_profile import ProfileCallback
-    from .run_config import load_run_config
-    from .train import run_training, training_args_for
+    from ..recipes.run_config import load_run_config
+    from ..recipes.text import run_training, training_args_for
+    from .profile import ProfileCallback
 
     run = load_run_config(config)
     steps = SAVED_STEP + (profile_steps if profile else 0)

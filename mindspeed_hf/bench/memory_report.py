@@ -27,7 +27,7 @@ import torch
 from .. import compat
 from ..config import MindSpeedConfig
 from ..device import detect_device_type, device_module, reset_peak_memory
-from .run_config import RunConfig, build_training_args, load_run_config
+from ..recipes.run_config import RunConfig, build_training_args, load_run_config
 
 #: The memory settings compared, as changes to the run's memory section.
 MODES: dict[str, dict[str, Any]] = {
@@ -71,7 +71,7 @@ def mode_config(base: MindSpeedConfig, mode: str) -> MindSpeedConfig:
 
 
 def _batch(run: RunConfig, rows: int, seed: int, tokenizer: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    from .data import PaddingCollator, split_rows, tokenize_rows
+    from ..recipes.data import PaddingCollator, split_rows, tokenize_rows
 
     examples = tokenize_rows(split_rows(run.data, seed)[0], tokenizer, run.data)[:rows]
     return {k: v.to(device) for k, v in PaddingCollator(tokenizer.pad_token_id)(examples).items()}
@@ -120,7 +120,7 @@ def measure_modes(run: RunConfig, args: Any, modes: list[str] | None = None) -> 
     import mindspeed_hf
 
     from ..parallel.parallelize import parallelize
-    from .train import build_model, load_tokenizer
+    from ..recipes.text import build_model, load_tokenizer
 
     device_type = detect_device_type()
     device = torch.device(device_type)

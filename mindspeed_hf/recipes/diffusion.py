@@ -1,7 +1,7 @@
 """`mindspeed-hf train --recipe diffusion`: the embedded text-to-image LoRA run.
 
 A tiny Flux transformer built from config learns, through LoRA adapters on its attention projections, the latent
-pattern of each of four prompts (cli/diffusion_data.py: cached latents and text embeddings, as diffusers' scripts
+pattern of each of four prompts (recipes/diffusion_data.py: cached latents and text embeddings, as diffusers' scripts
 keep them). The loop is the one of diffusers' official LoRA scripts: Accelerator, `add_adapter(LoraConfig(...))`,
 `prepare`, flow matching with compute_density_for_timestep_sampling / compute_loss_weighting_for_sd3,
 accelerator.backward, gradient clipping. It prints the held-out flow-matching loss (fixed noise and timesteps)
@@ -23,8 +23,8 @@ from ..device import detect_device_type, peak_memory_bytes, reset_peak_memory
 from . import diffusion_data as data
 from .run_config import build_training_args
 from .summary import applied, is_rank_zero, print_summary
-from .train import write_metrics
-from .vl_recipe import recipe_run_config
+from .text import write_metrics
+from .vl import recipe_run_config
 
 logger = logging.getLogger("mindspeed_hf")
 

@@ -2,8 +2,8 @@
 
 A tiny Qwen2.5-Omni thinker (`Qwen2_5OmniThinkerForConditionalGeneration`: a Whisper-style audio encoder with
 windowed attention, the Qwen2.5-VL vision tower and patch merger, an M-RoPE text decoder) built from a config learns
-to answer questions about a generated audio clip and a generated image (cli/omni_data.py: the pitch or the length
-of a tone, the colour of a shape). Like the VL recipe (cli/vl_recipe.py, whose run it shares) it
+to answer questions about a generated audio clip and a generated image (recipes/omni_data.py: the pitch or the length
+of a tone, the colour of a shape). Like the VL recipe (recipes/vl.py, whose run it shares) it
 prints held-out loss and exact-match accuracy before and after training and writes a checkpoint (model + tokenizer)
 that `AutoModelForImageTextToText.from_pretrained` loads. Any `--<TrainingArguments key> VALUE` overrides the
 recipe's training settings.
@@ -30,8 +30,7 @@ from .omni_data import (
     make_omni_examples,
     make_omni_tokenizer,
 )
-from .vl_data import PatchLayout
-from .vl_recipe import (
+from .vl import (
     LOADER,
     RecipeParts,
     check_transformers,
@@ -39,7 +38,8 @@ from .vl_recipe import (
     run_recipe,
     tiny_text_vision_configs,
 )
-from .vl_recipe import TRAINING as VL_TRAINING
+from .vl import TRAINING as VL_TRAINING
+from .vl_data import PatchLayout
 
 MODEL_TYPE = "qwen2_5_omni_thinker"
 # The usual text M-RoPE base: no question here is about a position (the VL recipe's base of 10 is there for its

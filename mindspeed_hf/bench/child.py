@@ -1,7 +1,7 @@
 """The child processes of `mindspeed-hf bench`, one side each (MINDSPEED_HF_AUTO set by the parent):
 
-    python -m mindspeed_hf.cli.bench_child timed [CONFIG] --out F [overrides]    the `train` run, timed per step
-    python -m mindspeed_hf.cli.bench_child counted [CONFIG] --out F [--profile DIR] [overrides]   bench_counts
+    python -m mindspeed_hf.bench.child timed [CONFIG] --out F [overrides]    the `train` run, timed per step
+    python -m mindspeed_hf.bench.child counted [CONFIG] --out F [--profile DIR] [overrides]   bench_counts
 
 A timed run writes `train`'s metrics plus every step's time and tokens: the median step is what a burst of load
 from other work on the machine moves least (the whole-run tokens/s takes every burst in).
@@ -46,8 +46,8 @@ class StepTimes(TrainerCallback):
 
 def timed_run(config: str | None, overrides: list[str], out: str) -> dict[str, Any]:
     """The `train` run (no quality check) with every step timed; writes its metrics to `out` and returns them."""
-    from .run_config import load_run_config
-    from .train import run_training, training_args_for
+    from ..recipes.run_config import load_run_config
+    from ..recipes.text import run_training, training_args_for
 
     run = load_run_config(config)
     timer = StepTimes()
@@ -60,16 +60,16 @@ def timed_run(config: str | None, overrides: list[str], out: str) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of one child run of `mindspeed-hf bench`."""
-    from .bench_counts import counted_run
-    from .main import _split_config
+    from ..recipes.run_config import split_config
+    from .counts import counted_run
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m mindspeed_hf.cli.bench_child", allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="python -m mindspeed_hf.bench.child", allow_abbrev=False)
     parser.add_argument("--out", required=True, help="write the run's figures here as JSON")
     parser.add_argument("--profile", default=None, help="counted: then profile a few steps into this directory")
     if not argv or argv[0] not in ("timed", "counted"):
         parser.error("the first argument is the kind of run: timed or counted")
-    config, rest = _split_config(argv[1:])
+    config, rest = split_config(argv[1:])
     own, overrides = parser.parse_known_args(rest)
     if argv[0] == "timed":
         timed_run(config, overrides, own.out)
