@@ -33,8 +33,9 @@ def write_checkpoint(root: str, args) -> tuple[str, int, int]:
     import torch.distributed.checkpoint as dcp
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from mindspeed_hf.checkpoints.layout import MODEL_DIR
     from mindspeed_hf.parallel.checkpoint import mark_complete
-    from mindspeed_hf.trainers.fsdp import MODEL_DIR, _save_configs
+    from mindspeed_hf.runtime.state import save_configs
 
     config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=args.layers,
                          num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
@@ -43,7 +44,7 @@ def write_checkpoint(root: str, args) -> tuple[str, int, int]:
     path = os.path.join(root, "checkpoint-1")
     state = model.state_dict()
     dcp.save({"model": state}, checkpoint_id=os.path.join(path, MODEL_DIR), no_dist=True)
-    _save_configs(model, path)
+    save_configs(model, path)
     with open(os.path.join(path, "trainer_state.json"), "w") as f:
         json.dump({"global_step": 1}, f)
     mark_complete(path, global_step=1)
@@ -60,7 +61,7 @@ def measure(checkpoint: str | None, out: str, shard_size: str = "5GB") -> tuple[
     env = {**os.environ, "MINDSPEED_HF_AUTO": "0", "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     # VmHWM: this process's own peak (ru_maxrss would carry the parent's peak over fork + exec)
-    code = ("import sys, transformers, peft; from mindspeed_hf.trainers.export import export;"
+    code = ("import sys, transformers, peft; from mindspeed_hf.checkpoints.export import export;"
             "sys.argv[1] != '-' and export(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[3]);"
             "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))")
     start = time.perf_counter()

@@ -38,7 +38,7 @@ if not _logger.handlers:
 _LAZY = {**dict.fromkeys(("active_config", "apply_to_model", "is_enabled", "report"), "mindspeed_hf.patches.apply"),
          **dict.fromkeys(("disable", "enable"), "mindspeed_hf.trainers.enabling"),
          **dict.fromkeys(("MindSpeedTrainer", "MindSpeedTrainingArguments"), "mindspeed_hf.trainers"),
-         "export": "mindspeed_hf.trainers.export", "FlatteningCollator": "mindspeed_hf.data"}
+         "export": "mindspeed_hf.checkpoints.export", "FlatteningCollator": "mindspeed_hf.data"}
 
 
 def __getattr__(name: str) -> Any:

@@ -160,8 +160,8 @@ def _stopped(argv: list[str], output_dir: str | None) -> int:
     """Ctrl-C: one line (rank 0) saying how to continue, and from which checkpoint; exit status 130."""
     import shlex
 
+    from ..checkpoints import checkpoint_step
     from ..parallel.checkpoint import latest_complete_checkpoint
-    from ..trainers.checkpoints import checkpoint_step
 
     if os.environ.get("RANK", "0") != "0":
         return 130
@@ -264,14 +264,14 @@ def cmd_moe(argv: list[str]) -> int:
 
 
 def cmd_export(argv: list[str]) -> int:
-    """`mindspeed-hf export CHECKPOINT OUT`: trainers/export.py; errors are one line (exit status 2)."""
+    """`mindspeed-hf export CHECKPOINT OUT`: checkpoints/export.py; errors are one line (exit status 2)."""
     parsed = parse(export_parser(), argv)
     if parsed is None:
         return 0
     own = parsed[0]
 
     def run() -> int:
-        from ..trainers.export import export
+        from ..checkpoints.export import export
 
         out = export(own.checkpoint, own.out, merge_lora=own.merge_lora, dtype=own.dtype,
                      max_shard_size=own.shard_size, push_to_hub=own.push_to_hub, overwrite=own.overwrite)

@@ -206,8 +206,9 @@ def check_resume(args: Any) -> None:
     trainers/starting.py)."""
     import mindspeed_hf
 
+    from .. import checkpoints
     from ..runtime import elastic
-    from ..trainers import checkpoints, starting
+    from ..trainers import starting
 
     target = _resume_target(args.resume_from_checkpoint)
     if target is None:

@@ -26,13 +26,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from .. import parallel
+from ..checkpoints.layout import MODEL_DIRS, OPTIMIZER_DIRS
 from ..parallel.checkpoint import COMPLETE_MARKER, STAGING_SUFFIX, _barrier, _rank, mark_complete, unmark
 
-__all__ = ["MODEL_DIR", "OPTIMIZER_DIR", "StateError", "begin", "check_loadable", "finish", "newest_complete",
+__all__ = ["StateError", "begin", "check_loadable", "finish", "newest_complete",
            "read_shards", "save_configs", "write_shards"]
 
 logger = logging.getLogger("mindspeed_hf")
-MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_{}", "optimizer_{}"  # accelerate's FSDP names, per model index
 
 
 class StateError(ValueError):
@@ -76,10 +76,10 @@ def begin(directory: str) -> None:
 def write_shards(models: list[nn.Module], optimizers: list[torch.optim.Optimizer], directory: str) -> None:
     """Every rank's model shards and optimizer shards (DCP), and the first model's configs (collective)."""
     for i, model in enumerate(models):
-        parallel.save_model_shards(model, os.path.join(directory, MODEL_DIR.format(i)))
+        parallel.save_model_shards(model, os.path.join(directory, MODEL_DIRS.format(i)))
     for optimizer in optimizers:
         i = owner_of(optimizer, models)
-        parallel.save_optimizer_shards(models[i], optimizer, os.path.join(directory, OPTIMIZER_DIR.format(i)))
+        parallel.save_optimizer_shards(models[i], optimizer, os.path.join(directory, OPTIMIZER_DIRS.format(i)))
     if _rank() == 0 and models:
         save_configs(models[0], directory)
 
@@ -100,8 +100,8 @@ def check_loadable(directory: str) -> None:
         raise StateError(f"load_state: {directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker: its "
                          "save was interrupted); load an earlier one, or pass no directory with automatic checkpoint "
                          "naming to take the newest complete one")
-    if not os.path.isdir(os.path.join(directory, MODEL_DIR.format(0))):
-        raise StateError(f"load_state: {directory} holds no sharded model ({MODEL_DIR.format(0)}/): it was not "
+    if not os.path.isdir(os.path.join(directory, MODEL_DIRS.format(0))):
+        raise StateError(f"load_state: {directory} holds no sharded model ({MODEL_DIRS.format(0)}/): it was not "
                          "saved from a run mindspeed_hf sharded; load it with the same parallel settings it was saved "
                          "with")
 
@@ -130,9 +130,9 @@ def newest_complete(root: str) -> str:
 def read_shards(models: list[nn.Module], optimizers: list[torch.optim.Optimizer], directory: str) -> None:
     """Model shards and optimizer shards back into the sharded models and their optimizers (collective)."""
     for i, model in enumerate(models):
-        parallel.load_model_shards(model, os.path.join(directory, MODEL_DIR.format(i)))
+        parallel.load_model_shards(model, os.path.join(directory, MODEL_DIRS.format(i)))
     for optimizer in optimizers:
         i = owner_of(optimizer, models)
-        path = os.path.join(directory, OPTIMIZER_DIR.format(i))
+        path = os.path.join(directory, OPTIMIZER_DIRS.format(i))
         if os.path.isdir(path):
             parallel.load_optimizer_shards(models[i], optimizer, path)

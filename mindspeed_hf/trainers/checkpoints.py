@@ -12,7 +12,7 @@ it (never instead of it):
   one is published. Unmarked saves of a killed run numbered past the current step go first (they would be written
   over anyway), so they never count as "the most recent checkpoint" that rotation keeps;
 - exporting (`checkpoints.export_hf`): once published, the checkpoint is exported as a Hugging Face directory in the
-  background (trainers/export_background.py).
+  background (trainers/background.py).
 
 Resume (`resume_from_checkpoint=True`) takes the newest complete checkpoint whose files can be read: directories
 without the marker are skipped with a line saying so, and a complete one with a truncated file (weights,
@@ -25,145 +25,32 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..checkpoints import background
+from ..checkpoints.layout import (
+    PREFIX,
+    CheckpointError,
+    check_checkpoint,
+    checkpoint_dirs,
+    checkpoint_step,
+    find_newest,
+    finished,
+    say_once,
+    step_of,
+)
 from ..errors import say_once_if_uncaught
 from ..parallel.checkpoint import COMPLETE_MARKER, _barrier, _rank, is_complete_checkpoint, mark_complete, unmark
 from ..runtime import run_of, watchdog
-from . import export_background
-from .readable import unreadable_file
 
-__all__ = ["CheckpointError", "begin_checkpoint_dir", "checkpoint_dirs", "checkpoint_step", "complete_checkpoints",
-           "find_newest", "newest_resumable", "resolve_resume", "say_resuming", "save_checkpoint", "tied_keys_quiet",
-           "unreadable_file"]
+__all__ = ["begin_checkpoint_dir", "load_best_model", "load_from_checkpoint", "resolve_resume", "say_resuming",
+           "save_checkpoint", "save_model", "tied_keys_quiet"]
 
 logger = logging.getLogger("mindspeed_hf")
-PREFIX = "checkpoint"
-TRAINER_STATE = "trainer_state.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from (one line: the directory or file, and what to do)."""
-
-
-def _say(level: int, message: str, *args: Any) -> None:
-    """Log once per run (rank 0): every rank reaches the same verdict on the same files."""
-    if _rank() == 0 and os.environ.get("RANK", "0") == "0":
-        logger.log(level, message, *args)
-
-
-# ---------------------------------------------------------------------------------------------- choosing
-def _step(name: str) -> int | None:
-    m = re.fullmatch(rf"{PREFIX}-(\d+)", name)
-    return int(m.group(1)) if m else None
-
-
-def checkpoint_dirs(run_dir: str) -> list[str]:
-    """checkpoint-N directories of `run_dir`, newest (largest N) first."""
-    if not os.path.isdir(run_dir):
-        return []
-    found = [(_step(n), os.path.join(run_dir, n)) for n in os.listdir(run_dir)]
-    return [path for step, path in sorted((f for f in found if f[0] is not None), reverse=True) if os.path.isdir(path)]
-
-
-def _finished(path: str, marked_run: bool) -> bool:
-    """Complete: the marker; in a directory written without mindspeed_hf, Trainer's last file (its own rule)."""
-    return is_complete_checkpoint(path) if marked_run else os.path.isfile(os.path.join(path, TRAINER_STATE))
-
-
-def complete_checkpoints(run_dir: str) -> list[str]:
-    """The checkpoint-N directories of `run_dir` whose save finished (the COMPLETE marker; in a directory written
-    without mindspeed_hf, Trainer's trainer_state.json), newest first."""
-    found = checkpoint_dirs(run_dir)
-    marked_run = any(is_complete_checkpoint(p) for p in found)
-    return [path for path in found if _finished(path, marked_run)]
-
-
-def newest_resumable(run_dir: str) -> str:
-    """The newest complete checkpoint of `run_dir` whose files can all be read; says which it skipped and why.
-
-    Raises:
-        CheckpointError: there is none.
-    """
-    return find_newest(run_dir)[0]
-
-
-def find_newest(run_dir: str, quiet: bool = False) -> tuple[str, bool]:
-    """(newest_resumable's answer, whether a newer complete checkpoint that does not read was passed over);
-    `quiet`: without the lines saying what was skipped."""
-    say = (lambda *a: None) if quiet else _say
-    found = checkpoint_dirs(run_dir)
-    if not found:  # Hugging Face's own text first (what code written against plain Trainer matches on)
-        raise CheckpointError(f"No valid checkpoint found in output directory ({run_dir}): no checkpoint-N directory "
-                              "in output_dir; give a checkpoint path, or the output_dir of the run")
-    marked_run = any(is_complete_checkpoint(p) for p in found)
-    if not marked_run:
-        say(logging.INFO, "mindspeed_hf: %s has no %s marker anywhere (written without mindspeed_hf): resuming "
-            "by Hugging Face's rule (the newest checkpoint with %s)", run_dir, COMPLETE_MARKER, TRAINER_STATE)
-    broken = None
-    for path in found:
-        if not _finished(path, marked_run):
-            say(logging.WARNING, "mindspeed_hf: skipping %s: no %s marker (a save that did not finish)", path,
-                COMPLETE_MARKER if marked_run else TRAINER_STATE)
-            continue
-        problem = unreadable_file(path)
-        if problem:
-            say(logging.ERROR, "mindspeed_hf: checkpoint %s cannot be read: %s; falling back to the previous "
-                "complete checkpoint", path, problem)
-            broken = broken or problem
-            continue
-        return path, broken is not None
-    detail = f" (newest unreadable file: {broken})" if broken else ""
-    raise CheckpointError(f"No valid checkpoint found in output directory ({run_dir}): no complete checkpoint in "
-                          f"output_dir{detail}; train without resume_from_checkpoint, or give a checkpoint directory")
-
-
-def _not_valid(path: str, why: str, purpose: str) -> CheckpointError:
-    """A refused checkpoint path. To resume: Hugging Face's own text first ("Can't find a valid checkpoint at", what
-    code written against plain Trainer matches on), then our reason; to export: what export can do instead."""
-    if purpose == "export":
-        return CheckpointError(f"export: {path} is not a checkpoint that can be exported: {why}")
-    return CheckpointError(f"Can't find a valid checkpoint at {path!r}: {why}")
-
-
-def _what_to_do(purpose: str) -> str:
-    if purpose == "export":
-        return "export an earlier checkpoint of the run"
-    return "resume from an earlier checkpoint, or resume_from_checkpoint=True for the newest one that reads"
-
-
-def check_checkpoint(path: str, sharded: bool, purpose: str = "resume") -> str:
-    """An explicitly given checkpoint directory, checked: it exists, its save finished, its files read whole.
-    `purpose` ("resume" or "export") words the refusal."""
-    path = os.path.normpath(str(path))
-    if not os.path.isdir(path):
-        raise _not_valid(path, "not a directory" if not os.path.exists(path) else "not a directory (a file)", purpose)
-    siblings = checkpoint_dirs(os.path.dirname(path) or ".")
-    legacy = (not sharded and os.path.isfile(os.path.join(path, TRAINER_STATE))  # a run written without mindspeed_hf
-              and not any(is_complete_checkpoint(p) for p in siblings))
-    if not is_complete_checkpoint(path) and not legacy:
-        instead = (_what_to_do(purpose) if purpose == "export"
-                   else "resume_from_checkpoint=True picks the newest complete one")
-        raise _not_valid(path, f"no {COMPLETE_MARKER} marker (an interrupted save); {instead}", purpose)
-    problem = unreadable_file(path)
-    if problem:
-        raise _not_valid(path, f"{problem}; {_what_to_do(purpose)}", purpose)
-    return path
-
-
-def checkpoint_step(path: str) -> int | None:
-    """The global step a checkpoint was written at: its trainer_state.json, else its name (checkpoint-N)."""
-    try:
-        with open(os.path.join(path, TRAINER_STATE)) as f:
-            return int(json.load(f)["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return _step(os.path.basename(os.path.normpath(path)))
 
 
 def say_resuming(path: str, fell_back: bool, because: str = "") -> None:
@@ -171,7 +58,7 @@ def say_resuming(path: str, fell_back: bool, because: str = "") -> None:
     the user)."""
     step = checkpoint_step(path)
     why = "; the newest complete checkpoint that reads" if fell_back else ""
-    _say(logging.INFO if not fell_back else logging.WARNING, "mindspeed_hf: %sresuming from %s (step %s%s)",
+    say_once(logging.INFO if not fell_back else logging.WARNING, "mindspeed_hf: %sresuming from %s (step %s%s)",
          f"{because}: " if because else "", path, "?" if step is None else step, why)
 
 
@@ -234,11 +121,11 @@ def _drop_stale_saves(run_dir: str, step: int) -> None:
     reached again. Rotation would keep one as "the most recent" in place of the checkpoint just published. In a
     directory written without mindspeed_hf (no marker before `step`) Hugging Face's rule says what finished."""
     found = checkpoint_dirs(run_dir)
-    marked_run = any(is_complete_checkpoint(p) for p in found if (_step(os.path.basename(p)) or 0) < step)
+    marked_run = any(is_complete_checkpoint(p) for p in found if (step_of(os.path.basename(p)) or 0) < step)
     for path in found:
-        number = _step(os.path.basename(path))
-        if number is not None and number > step and not _finished(path, marked_run):
-            _say(logging.INFO, "mindspeed_hf: removing %s (an interrupted save past step %d)", path, step)
+        number = step_of(os.path.basename(path))
+        if number is not None and number > step and not finished(path, marked_run):
+            say_once(logging.INFO, "mindspeed_hf: removing %s (an interrupted save past step %d)", path, step)
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -269,8 +156,8 @@ def _save_checkpoint(trainer: Any, original: Callable, *args: Any, **kwargs: Any
     if _rank() == 0 and written:
         mark_complete(written, global_step=trainer.state.global_step)
         if run.config.checkpoints.export_hf:  # the previous export first: rotation may remove its checkpoint next
-            export_background.finish(run.export)
-            run.export = export_background.start(written)
+            background.finish(run.export)
+            run.export = background.start(written)
     _barrier()
     if held and written and trainer.args.save_total_limit:
         _drop_stale_saves(os.path.dirname(os.path.normpath(written)), trainer.state.global_step)

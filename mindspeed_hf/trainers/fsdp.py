@@ -29,18 +29,16 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from .. import parallel, runtime
+from ..checkpoints.layout import MODEL_DIR, OPTIMIZER_DIR, check_checkpoint
 from ..device import detect_device_type
 from ..runtime import run_of
 from ..runtime.plan import world_size_from
-from ..runtime.state import MODEL_DIR as _MODEL_DIRS
-from ..runtime.state import OPTIMIZER_DIR as _OPTIMIZER_DIRS
 from ..runtime.state import save_configs
 from . import checkpoints, context, seams
 
-__all__ = ["MODEL_DIR", "OPTIMIZER_DIR", "create_accelerator", "dispatch"]
+__all__ = ["create_accelerator", "dispatch"]
 
 logger = logging.getLogger("mindspeed_hf")
-MODEL_DIR, OPTIMIZER_DIR = _MODEL_DIRS.format(0), _OPTIMIZER_DIRS.format(0)  # accelerate's names, as Trainer has one
 
 
 # ---------------------------------------------------------------------------------------------- Trainer's state
@@ -160,7 +158,7 @@ def _save_optimizer_and_scheduler(trainer: Any, original: Callable, output_dir: 
 
 def load_model(trainer: Any, path: str) -> None:
     """Model shards from a complete checkpoint into the sharded model (collective)."""
-    parallel.load_model_shards(trainer.model, os.path.join(checkpoints.check_checkpoint(path, sharded=True), MODEL_DIR))
+    parallel.load_model_shards(trainer.model, os.path.join(check_checkpoint(path, sharded=True), MODEL_DIR))
 
 
 def _load_optimizer_and_scheduler(trainer: Any, original: Callable, checkpoint: str | None) -> None:
@@ -168,7 +166,7 @@ def _load_optimizer_and_scheduler(trainer: Any, original: Callable, checkpoint: 
 
     if checkpoint is None:
         return
-    path = checkpoints.check_checkpoint(checkpoint, sharded=True)
+    path = check_checkpoint(checkpoint, sharded=True)
     if not os.path.isdir(os.path.join(path, OPTIMIZER_DIR)):  # saved with save_only_model: nothing to resume
         return
     parallel.load_optimizer_shards(trainer.model, _plain_optimizer(trainer.optimizer),

@@ -21,9 +21,10 @@ from torch import nn
 from transformers import TrainerCallback
 
 from .. import runtime
+from ..checkpoints import background
 from ..patches import apply
 from ..runtime import Run, attach, elastic, resolve_config, run_of, watch, watchdog
-from . import context, deepspeed, export_background, frameworks, fsdp, seams
+from . import context, deepspeed, frameworks, fsdp, seams
 from .notices import release_ddp_notice
 
 __all__ = ["after_init", "during_train", "is_accelerated", "prepare_model", "start"]
@@ -99,7 +100,7 @@ def during_train(trainer: Any) -> Iterator[None]:
     finally:
         watchdog.disarm()
     if run is not None and run.export is not None:
-        export_background.finish(run.export)
+        background.finish(run.export)
         run.export = None
 
 

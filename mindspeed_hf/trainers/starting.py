@@ -23,10 +23,11 @@ import os
 import shutil
 from typing import Any
 
+from ..checkpoints import background, layout
 from ..errors import say_once_if_uncaught
 from ..parallel.checkpoint import _barrier, _rank
 from ..runtime import elastic, run_of
-from . import checkpoints, export_background
+from . import checkpoints
 
 __all__ = ["guard_new_run", "resolve_train_call", "settle"]
 
@@ -51,7 +52,7 @@ def guard_new_run(output_dir: Any, overwrite: bool, args: Any = None) -> None:
     key = _key(output_dir)
     if key in _STARTED:
         return
-    others = checkpoints.complete_checkpoints(str(output_dir))
+    others = layout.complete_checkpoints(str(output_dir))
     if not others:
         _STARTED.add(key)
         return
@@ -61,8 +62,8 @@ def guard_new_run(output_dir: Any, overwrite: bool, args: Any = None) -> None:
         return
     names = [os.path.basename(path) for path in others]
     listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    step = checkpoints.checkpoint_step(others[0])
-    raise say_once_if_uncaught(checkpoints.CheckpointError(
+    step = layout.checkpoint_step(others[0])
+    raise say_once_if_uncaught(layout.CheckpointError(
         f"output_dir {output_dir} holds another run's checkpoints ({listed}; the newest at step {step}): a new run "
         "would write over them, and a later resume would mix the two runs; choose one: resume that run "
         "(resume_from_checkpoint=True, --resume_from_checkpoint), train into a new output_dir, or replace them with "
@@ -72,21 +73,21 @@ def guard_new_run(output_dir: Any, overwrite: bool, args: Any = None) -> None:
 def _remove_checkpoints(output_dir: str) -> None:
     """checkpoints.overwrite: every checkpoint-N of the earlier run (finished or not) and its background export go
     before the new run writes anything, so the directory never mixes two runs (rank 0; every rank waits)."""
-    found = checkpoints.checkpoint_dirs(output_dir)
+    found = layout.checkpoint_dirs(output_dir)
     if _rank() == 0 and os.environ.get("RANK", "0") == "0" and found:
         logger.info("mindspeed_hf: checkpoints.overwrite: removing the earlier run's %s from %s",
                     ", ".join(os.path.basename(p) for p in found), output_dir)
         for path in found:
             shutil.rmtree(path)
-            shutil.rmtree(export_background.export_dir(path), ignore_errors=True)
+            shutil.rmtree(background.export_dir(path), ignore_errors=True)
     _barrier()
 
 
 def _resume_restarted(output_dir: str, again: elastic.Restart) -> str | None:
     """A restarted attempt: the newest complete checkpoint that reads (one line), or None to start over (one line)."""
     try:
-        path, fell_back = checkpoints.find_newest(output_dir)
-    except checkpoints.CheckpointError:
+        path, fell_back = layout.find_newest(output_dir)
+    except layout.CheckpointError:
         _say("mindspeed_hf: %s: no complete checkpoint in %s yet; training from the start", again, output_dir)
         return None
     checkpoints.say_resuming(path, fell_back, because=str(again))

@@ -24,8 +24,8 @@ from pathlib import Path
 import transformers
 from child_runs import REPO, child_env
 
+from mindspeed_hf.checkpoints import unreadable_file
 from mindspeed_hf.parallel.checkpoint import is_complete_checkpoint
-from mindspeed_hf.trainers.checkpoints import unreadable_file
 
 WORKER = Path(__file__).resolve().parent / "fault_worker.py"
 

@@ -26,6 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import mindspeed_hf  # noqa: E402
+from mindspeed_hf.checkpoints import unreadable_file  # noqa: E402
 from mindspeed_hf.parallel import checkpoint as ckpt_lib  # noqa: E402
 from mindspeed_hf.trainers import checkpoints  # noqa: E402
 
@@ -200,7 +201,7 @@ def complete_ones(out_dir: str) -> list[str]:
     for name in sorted(os.listdir(out_dir)):
         path = os.path.join(out_dir, name)
         if name.startswith("checkpoint-") and ckpt_lib.is_complete_checkpoint(path):
-            problem = checkpoints.unreadable_file(path)
+            problem = unreadable_file(path)
             assert problem is None, f"COMPLETE but unreadable: {problem}"
             with open(os.path.join(path, "trainer_state.json")) as f:
                 assert json.load(f)["global_step"] == int(name.split("-")[1]), path

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from child_runs import REPO, child_env
 
+from mindspeed_hf import checkpoints
 from mindspeed_hf.parallel.checkpoint import COMPLETE_MARKER
-from mindspeed_hf.trainers import checkpoints
 
 DRIVER = Path(__file__).with_name("crash_driver.py")
 

@@ -17,10 +17,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM
 
 import mindspeed_hf
+from mindspeed_hf.checkpoints.layout import MODEL_DIR
 from mindspeed_hf.cli.main import main as command
 from mindspeed_hf.parallel.checkpoint import mark_complete
 from mindspeed_hf.runtime.state import save_configs as _save_configs
-from mindspeed_hf.trainers.fsdp import MODEL_DIR
 
 
 def _checkpoint(root, model, step: int = 4, complete: bool = True) -> str:
@@ -189,7 +189,7 @@ def test_every_checkpoint_is_exported_in_the_background(tmp_path, monkeypatch, r
 
 
 def test_a_failed_background_export_is_one_warning(tmp_path, monkeypatch, restore_wiring, caplog):
-    from mindspeed_hf.trainers import export_background
+    from mindspeed_hf.checkpoints import background as export_background
 
     monkeypatch.setenv("MINDSPEED_HF_CHECKPOINTS_EXPORT_HF", "1")
     monkeypatch.setattr(export_background.sys, "executable", "false")  # every export process fails
@@ -312,7 +312,7 @@ def test_export_mistakes_are_one_line_about_export(tmp_path, capsys, argv, fragm
 
 
 def test_shard_sizes_are_read_as_the_writers_read_them():
-    from mindspeed_hf.trainers.export import shard_size
+    from mindspeed_hf.checkpoints.export import shard_size
 
     assert shard_size("5GB") == "5GB" and shard_size(" 500mb ") == "500MB" and shard_size("1.5GB") == "1.5GB"
     assert shard_size(1000) == 1000 and shard_size("2048") == 2048

@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from crash_driver import collate, dataset, tiny_model  # noqa: E402
 
 import mindspeed_hf  # noqa: E402
+from mindspeed_hf import checkpoints  # noqa: E402
 from mindspeed_hf.parallel.checkpoint import COMPLETE_MARKER, is_complete_checkpoint  # noqa: E402
-from mindspeed_hf.trainers import checkpoints, starting, wiring  # noqa: E402
+from mindspeed_hf.trainers import starting, wiring  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,10 @@
 """`checkpoints: {export_hf: true}`: every checkpoint a Trainer run saves, exported as a Hugging Face directory while
 training goes on.
 
-Once a checkpoint is complete (its COMPLETE marker written), the main rank starts `mindspeed-hf export CHECKPOINT
-OUTPUT_DIR/hf/checkpoint-N --overwrite` (the run's own directory: a checkpoint saved again after a restart replaces its
-export) as a separate process at low CPU priority, outside the training job (no torchrun
+Once a checkpoint is complete (its COMPLETE marker written), the main rank starts this module as a separate process
+(`python -m mindspeed_hf.checkpoints.background CHECKPOINT OUTPUT_DIR/hf/checkpoint-N`: export.py's `export` with
+`overwrite`, the run's own directory: a checkpoint saved again after a restart replaces its export) at low CPU
+priority, outside the training job (no torchrun
 variables, no accelerator: the export is a CPU reader of the files just written) and returns to training. One export
 runs at a time: the next checkpoint save first waits for the previous export (so Trainer's rotation never removes a
 checkpoint still being read), and so does the end of train(). A failed export is one warning naming its log
@@ -30,8 +31,6 @@ _NOT_INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
                   "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
 
 
-#: the export process: below the training processes' priority (the step keeps the CPU), then `mindspeed-hf export`
-_CHILD = "import os, sys; os.nice(10); from mindspeed_hf.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 @dataclass
@@ -59,7 +58,7 @@ def start(checkpoint: str) -> BackgroundExport:
     log = out + ".log"
     with open(log, "w") as stream:
         process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, "export", checkpoint, out, "--overwrite"], env=env, stdout=stream,
+            [sys.executable, "-m", __name__, checkpoint, out], env=env, stdout=stream,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     logger.info("mindspeed_hf: exporting %s to %s in the background", checkpoint, out)
     return BackgroundExport(checkpoint, out, log, process)
@@ -80,3 +79,23 @@ def finish(export: BackgroundExport | None) -> bool:
     logger.warning("mindspeed_hf: checkpoints.export_hf: exporting %s failed (%s); log: %s", export.checkpoint, last,
                    export.log)
     return False
+
+
+def _main(argv: list[str]) -> int:
+    """The export process: below the training processes' priority (the step keeps the CPU), one export, and its
+    failure as one line (the last line of the log, which `finish` quotes)."""
+    checkpoint, out = argv
+    os.nice(10)
+    from .export import export
+
+    try:
+        export(checkpoint, out, overwrite=True)
+    except Exception as err:  # noqa: BLE001 - the log's last line names what failed, for finish()
+        print(f"mindspeed_hf export of {checkpoint}: error: {' '.join(str(err).split()) or type(err).__name__}")
+        return 2
+    print(f"mindspeed_hf: exported {checkpoint} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -2,7 +2,7 @@
 in one CPU process (no torchrun).
 
 A sharded checkpoint (`checkpoint-N/` with `pytorch_model_fsdp_0/`, the DCP shards of any layout: dp_shard, HSDP,
-ep, cp, tp) is streamed (trainers/export_weights.py): the model is rebuilt on the meta device from the config the
+ep, cp, tp) is streamed (checkpoints/weights.py): the model is rebuilt on the meta device from the config the
 checkpoint carries (trainers/fsdp.py writes it beside the shards) and its tensors are read back from the shards -
 DCP re-assembles each tensor whatever the layout that wrote it - one output file at a time, in save_pretrained's
 names, formats and shard sizes. Peak memory: one output file plus the tensor being read. A PEFT run gives the
@@ -27,9 +27,8 @@ import torch
 from torch import nn
 
 from ..parallel.checkpoint import COMPLETE_MARKER
-from .checkpoints import TRAINER_STATE, check_checkpoint, checkpoint_step
-from .export_weights import plan_weights, write_weights
-from .fsdp import MODEL_DIR, OPTIMIZER_DIR
+from .layout import MODEL_DIR, OPTIMIZER_DIR, TRAINER_STATE, check_checkpoint, checkpoint_step
+from .weights import plan_weights, write_weights
 
 __all__ = ["export"]
 
