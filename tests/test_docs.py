@@ -63,3 +63,15 @@ def test_relative_links_resolve(page):
 def test_readme_is_a_front_page():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 300, len(lines)
+
+
+_REPO_PATH = re.compile(r"\b((?:mindspeed_hf|tests|benchmarks|examples|docs)/[\w/.-]*\w\.(?:py|md|yaml|sh))\b")
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in DOCS.rglob("*.md"))])
+def test_named_repository_files_exist(page):
+    """A file of this repository that a page names (`examples/custom_loop.py`) exists: moving it fails here. (A line
+    about transformers' own checkout, HF_CHECKOUT, names its files, not ours.)"""
+    lines = [line for line in (ROOT / page).read_text().splitlines() if "HF_CHECKOUT" not in line]
+    missing = [p for p in _REPO_PATH.findall("\n".join(lines)) if not (ROOT / p).exists()]
+    assert not missing, f"{page}: {missing}"
