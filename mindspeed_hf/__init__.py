@@ -15,8 +15,9 @@ import os
 import sys
 from typing import Any
 
-from . import errors, versions
+from . import errors
 from .config import MindSpeedConfig, load_config
+from .releases import supported
 
 __version__ = "0.1.0"
 
@@ -81,10 +82,10 @@ def auto_enable() -> None:
         raise errors.say_once_if_uncaught(err) from None
     if not auto_requested():
         return
-    outside = versions.unsupported()
+    outside = supported.unsupported()
     if outside:  # run as plain Hugging Face rather than fail somewhere obscure
         _logger.warning("mindspeed_hf: %s is outside the supported range (%s); the accelerator stays off and models "
-                        "run unaccelerated", "; ".join(outside), versions.describe())
+                        "run unaccelerated", "; ".join(outside), supported.describe())
         return
     from .trainers.enabling import UnsupportedReleaseError, enable
 

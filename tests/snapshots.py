@@ -30,7 +30,7 @@ def transformers_symbols() -> dict[str, object]:
         found.update({f"{cls.__name__}.{k}": v for k, v in vars(cls).items()})
     for interface in (AttentionInterface, AttentionMaskInterface):
         found[interface.__name__] = tuple(sorted(interface._global_mapping))
-    from mindspeed_hf import compat
+    from mindspeed_hf.releases import compat
 
     experts = compat.experts_registry()
     if experts is not None:

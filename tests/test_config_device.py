@@ -110,9 +110,9 @@ def test_outside_the_supported_versions_import_warns_and_stays_off():
 def test_supported_ranges_match_the_package_metadata():
     from pathlib import Path
 
-    from mindspeed_hf import versions
+    from mindspeed_hf.releases import supported
 
     setup = (Path(__file__).parents[1] / "setup.cfg").read_text()
-    for package, (low, high) in versions.SUPPORTED.items():
+    for package, (low, high) in supported.SUPPORTED.items():
         assert f"{package}>={low},<{high}" in setup
-    assert versions.unsupported() == []
+    assert supported.unsupported() == []

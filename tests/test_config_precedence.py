@@ -11,7 +11,8 @@ import pytest
 import yaml
 from transformers import HfArgumentParser
 
-from mindspeed_hf.config import MindSpeedConfig, check_ep_release, resolve, settings
+from mindspeed_hf.config import MindSpeedConfig, resolve, settings
+from mindspeed_hf.releases.supported import check_ep_release
 from mindspeed_hf.trainers import MindSpeedTrainingArguments
 
 # A valid non-default value per setting that is valid on its own (cp_ulysses needs a cp it divides: tested with

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mindspeed_hf.compat import rope_config
+from mindspeed_hf.releases.compat import rope_config
 
 VOCAB = 128
 _COMMON = dict(

@@ -30,9 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import TrainerCallback
 
-from .. import compat
 from ..device import import_torch_npu
 from ..memory.measure import SavedStorages
+from ..releases import compat
 
 COUNTED_STEP = 2  # step 1 creates the optimizer state (one-time ops); step 2 is what every later step does
 SAVED_STEP = COUNTED_STEP + 1  # the step whose saved tensors are measured (hooks of their own: see above)

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from .. import compat
 from ..config import MindSpeedConfig
 from ..device import detect_device_type, device_module, reset_peak_memory
 from ..recipes.run_config import RunConfig, build_training_args, load_run_config
+from ..releases import compat
 
 #: The memory settings compared, as changes to the run's memory section.
 MODES: dict[str, dict[str, Any]] = {

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .. import versions
+from ..releases import supported
 
 PACKAGES = ("torch", "torch_npu", "transformers", "accelerate", "peft", "trl", "liger-kernel", "datasets",
             "tokenizers", "safetensors", "bitsandbytes")
@@ -124,7 +124,7 @@ def env_report() -> str:
         ("MINDSPEED_HF_BACKEND", os.environ.get("MINDSPEED_HF_BACKEND", "unset")),
         ("MINDSPEED_HF_CONFIG", os.environ.get("MINDSPEED_HF_CONFIG", "unset")),
         ("config backend", backend),
-        ("supported", versions.describe()),
+        ("supported", supported.describe()),
         ("python", sys.version.split()[0]),
         ("platform", platform.platform()),
         *device_rows(),

@@ -24,7 +24,6 @@ from .resolve import (
 from .schema import (
     BACKEND_CHOICES,
     ENV_PREFIX,
-    EP_MIN_TRANSFORMERS,
     RECOMPUTE_MODULES,
     SECTIONS,
     TRAIN_RECIPES,
@@ -36,7 +35,6 @@ from .schema import (
     MoEConfig,
     ParallelConfig,
     Setting,
-    check_ep_release,
     config_from_dict,
     flatten,
     settings,
@@ -62,10 +60,10 @@ from .sources import (
 
 __all__ = [
     "ACCELERATE_SOURCE", "ACCELERATOR_SOURCE", "ARGUMENTS_SOURCE", "AXES", "AXIS", "Axis", "BACKEND_CHOICES",
-    "CheckpointConfig", "DataConfig", "ENV_PREFIX", "EP_MIN_TRANSFORMERS", "KernelConfig", "Layer", "MemoryConfig",
+    "CheckpointConfig", "DataConfig", "ENV_PREFIX", "KernelConfig", "Layer", "MemoryConfig",
     "MindSpeedConfig", "MoEConfig", "OTHER_VARIABLES", "Override", "ParallelConfig", "RECOMPUTE_MODULES",
     "ResolvedConfig", "SECTIONS", "SIZE_PATHS", "Setting", "TRAIN_RECIPES", "WORLD_AXES", "accelerate_env_layer",
-    "accelerator_layer", "check_ep_release", "check_variables", "config_from_dict", "env_layer", "flatten",
+    "accelerator_layer", "check_variables", "config_from_dict", "env_layer", "flatten",
     "hf_fsdp_layer", "hf_fsdp_settings", "load_config", "parse_reshard", "plugin_fsdp_settings", "read_config_file",
     "resolve", "resolve_for", "resolve_for_accelerator", "resolve_layers", "settings", "trainer_layers", "yaml_layer",
 ]

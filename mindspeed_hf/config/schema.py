@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..releases.supported import check_ep_release
 from ..value_kinds import (
     Kind,
     boolean,
@@ -141,22 +142,6 @@ class ParallelConfig:
                              "parallel.cp > 1; valid choices: parallel.cp > 1, or parallel.cp_vision=false")
         if self.ep > 1:
             check_ep_release(self.ep)
-
-
-#: expert parallelism needs the fused 3-D experts modules (gate_up_proj [E, 2I, H]) transformers 5 introduced
-EP_MIN_TRANSFORMERS = "5.0"
-
-
-def check_ep_release(ep: int) -> None:
-    """Refuse parallel.ep > 1 on a transformers release without fused experts modules."""
-    from packaging.version import Version
-
-    from ..versions import installed
-
-    found = installed("transformers")
-    if found is not None and found < Version(EP_MIN_TRANSFORMERS):
-        raise ValueError(f"parallel.ep={ep}: expert parallelism needs transformers >= {EP_MIN_TRANSFORMERS} (fused "
-                         f"experts modules), transformers {found} is installed; valid choices: parallel.ep=1")
 
 
 RECOMPUTE_MODULES = ("attention_core", "self_attn", "mlp", "norms")

@@ -265,7 +265,7 @@ def accelerator_layer(fsdp_plugin: Any = None, parallelism_config: Any = None) -
 def checkpointing_layer(args: Any) -> Layer:
     """TrainingArguments' own switch (`gradient_checkpointing` / `activation_checkpointing`) as a fallback layer:
     True means memory.recompute=full where no source set memory.recompute (see resolve's `fallback`)."""
-    from ..compat import training_args_checkpointing_names  # imports torch: only once a trainer asks
+    from ..releases.compat import training_args_checkpointing_names  # imports torch: only once a trainer asks
 
     switch, _ = training_args_checkpointing_names()
     if not getattr(args, switch, False):

@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .. import compat
+from ..releases import compat
 
 
 @dataclass(frozen=True)

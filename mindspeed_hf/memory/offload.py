@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import compat
 from ..device import DEVICE_TYPES, transfers
+from ..releases import compat
 from .host_pool import HostBufferPool
 
 

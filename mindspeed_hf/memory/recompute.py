@@ -19,13 +19,13 @@ from typing import Any
 
 from torch import nn
 
-from ..compat import (
+from ..config import MemoryConfig
+from ..patches import diffusion
+from ..releases.compat import (
     disable_activation_checkpointing,
     enable_activation_checkpointing,
     training_args_checkpointing_names,
 )
-from ..config import MemoryConfig
-from ..patches import diffusion
 from . import selective
 
 logger = logging.getLogger("mindspeed_hf")

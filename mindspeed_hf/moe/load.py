@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import compat
 from ..parallel import find_fused_experts
+from ..releases import compat
 
 __all__ = ["ExpertLoad"]
 

@@ -26,8 +26,8 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from .. import compat
 from ..device import import_torch_npu
+from ..releases import compat
 from . import varlen
 from .registry import register, run, select
 

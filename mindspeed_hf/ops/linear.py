@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import compat
+from ..releases import compat
 from .registry import register, run, select
 
 

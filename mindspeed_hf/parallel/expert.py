@@ -130,7 +130,7 @@ def unsupported_layout(module: nn.Module) -> str | None:
 
 def check_expert_parallel(model: nn.Module, ep: int) -> list[tuple[str, nn.Module]]:
     """The experts modules EP will shard; a one-line ValueError naming ``parallel.ep`` when it cannot apply."""
-    from ..config import check_ep_release
+    from ..releases.supported import check_ep_release
 
     check_ep_release(ep)
     experts = find_fused_experts(model)

@@ -65,7 +65,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..ops.vocab_parallel import GradAllReduce, vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
-from ..versions import installed
+from ..releases.supported import installed
 from .expert import find_fused_experts, unsupported_layout
 from .fsdp import unwrap_hf_model
 

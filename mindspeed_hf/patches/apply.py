@@ -12,10 +12,10 @@ from typing import Any
 
 from torch import nn
 
-from .. import compat
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS, register_attention, unregister_attention
+from ..releases import compat
 from . import diffusion, experts, forwards, linear_attention, multimodal, scope, talker, third_party
 from .announce import announce as _announce
 from .engine import FUSED_LAYERS, PATCHES
@@ -193,13 +193,13 @@ def enable(config: MindSpeedConfig | None = None) -> None:
     All or nothing: the releases and the config are checked before anything changes, and a failure while
     patching puts back everything this call patched or registered before it raises. (The package-level
     `mindspeed_hf.enable` adds the Trainer wiring on top: trainers/enabling.py.)"""
-    from .. import versions
     from ..config import load_config
+    from ..releases import supported
 
-    outside = versions.unsupported()
+    outside = supported.unsupported()
     if outside:
         raise RuntimeError(f"mindspeed_hf: {'; '.join(outside)} is outside the supported range "
-                           f"({versions.describe()}); install a supported release")
+                           f"({supported.describe()}); install a supported release")
     given, config = config, config or load_config()
     # before any model is touched; the error names the variable when that is where the value came from
     registry.validate_backend_name(config.backend, "MINDSPEED_HF_BACKEND" if given is None and os.environ.get(

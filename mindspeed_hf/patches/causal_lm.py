@@ -45,8 +45,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .. import compat
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from ..releases import compat
 from . import lazy_logits, scope
 
 

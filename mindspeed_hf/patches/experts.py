@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .. import compat
 from ..ops.experts import experts_mlp
+from ..releases import compat
 from . import forwards, scope
 
 logger = logging.getLogger("mindspeed_hf")

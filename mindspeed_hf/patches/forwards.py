@@ -23,11 +23,11 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from .. import compat
 from ..ops.linear import project, stacks
 from ..ops.rms_norm import add_rms_norm, rms_norm
 from ..ops.rotary import apply_rotary_pos_emb
 from ..ops.swiglu import swiglu, swiglu_packed
+from ..releases import compat
 
 SILU = (nn.SiLU, SiLUActivation)
 

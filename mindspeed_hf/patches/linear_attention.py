@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import masking_utils
 
-from .. import compat
 from ..ops import varlen
 from ..ops.linear_attention import chunk_gated_delta_rule
 from ..ops.rms_norm import rms_norm
+from ..releases import compat
 from .forwards import tag
 from .packed_positions import bind, call_by_name, filled, without_cache
 

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import compat
 from ..ops import rotary
 from ..ops.attention import ATTENTION_NAME
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from ..ops.vision_attention import vision_attention
+from ..releases import compat
 from . import packed_positions, scope
 from .causal_lm import SkippedLogits, logits_plan, rebuilt, tuple_requested
 from .forwards import tag

@@ -9,10 +9,10 @@ from typing import Any
 
 from torch import nn
 
-from .. import compat
 from ..device import model_device
 from ..ops import registry
 from ..ops.attention import OUR_ATTENTIONS
+from ..releases import compat
 from . import experts, multimodal, quantized, scope, third_party
 from .engine import FUSED_LAYERS, PATCHES
 from .families import FAMILIES, ModelFamily, family_for

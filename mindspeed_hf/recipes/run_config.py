@@ -360,7 +360,7 @@ def build_training_args(run: RunConfig, overrides: list[str], accelerated: bool)
         defaults.setdefault("dataloader_pin_memory", False)
     if not accelerated and run.mindspeed.memory.recompute:
         # The plain-HF baseline does the same work through HF's own switch, so bench compares like with like.
-        from ..compat import training_args_checkpointing_names
+        from ..releases.compat import training_args_checkpointing_names
 
         switch, kwargs = training_args_checkpointing_names()
         defaults.setdefault(switch, True)

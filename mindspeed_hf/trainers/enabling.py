@@ -1,17 +1,18 @@
 """The package's switches: `mindspeed_hf.enable()` is the kernels (patches/apply.py) plus the accelerate seam
 (runtime/accelerator.py) and the Trainer wiring (wiring.py), all or nothing; `mindspeed_hf.disable()` undoes them.
 
-Everything enable() depends on is checked before anything changes: the releases (versions.py), the config and its
-backend, and the transformers / accelerate internals the wiring needs (seams.py). A failure at any point leaves
-every transformers symbol as it was before the call.
+Everything enable() depends on is checked before anything changes: the releases (releases/supported.py), the config
+and its backend, and the transformers / accelerate internals the wiring needs (releases/seams.py). A failure at any
+point leaves every transformers symbol as it was before the call.
 """
 
 from __future__ import annotations
 
 from ..config import MindSpeedConfig
 from ..patches import apply
+from ..releases import seams
 from ..runtime import install_accelerator_wiring, uninstall_accelerator_wiring
-from . import seams, wiring
+from . import wiring
 
 __all__ = ["UnsupportedReleaseError", "disable", "enable"]
 

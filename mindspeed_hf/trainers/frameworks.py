@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import compat
+from ..releases import compat
 
 # package root of a Trainer subclass -> (framework name, distribution name for its version)
 FRAMEWORKS: dict[str, tuple[str, str]] = {

@@ -31,10 +31,11 @@ from torch.distributed.fsdp import FSDPModule
 from .. import parallel, runtime
 from ..checkpoints.layout import MODEL_DIR, OPTIMIZER_DIR, check_checkpoint
 from ..device import detect_device_type
+from ..releases import seams
 from ..runtime import run_of
 from ..runtime.plan import world_size_from
 from ..runtime.state import save_configs
-from . import checkpoints, context, seams
+from . import checkpoints, context
 
 __all__ = ["create_accelerator", "dispatch"]
 

@@ -23,8 +23,9 @@ from transformers import TrainerCallback
 from .. import runtime
 from ..checkpoints import background
 from ..patches import apply
+from ..releases import seams
 from ..runtime import Run, attach, elastic, resolve_config, run_of, watch, watchdog
-from . import context, deepspeed, frameworks, fsdp, seams
+from . import context, deepspeed, frameworks, fsdp
 from .notices import release_ddp_notice
 
 __all__ = ["after_init", "during_train", "is_accelerated", "prepare_model", "start"]

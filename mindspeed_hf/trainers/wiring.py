@@ -26,8 +26,9 @@ from ..errors import say_once_if_uncaught
 from ..moe import with_load
 from ..patches import scope
 from ..patches.engine import PatchSet
+from ..releases import seams
 from ..runtime import run_of
-from . import batching, deepspeed, fsdp, lifecycle, seams, starting
+from . import batching, deepspeed, fsdp, lifecycle, starting
 from .context import split_inputs
 from .notices import ddp_notice_held
 

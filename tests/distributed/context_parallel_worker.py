@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "npu_standin"))  # 
 
 from tiny_models import VOCAB, padded_batch, tiny_model  # noqa: E402
 
-from mindspeed_hf.config import EP_MIN_TRANSFORMERS, MemoryConfig, MindSpeedConfig, ParallelConfig  # noqa: E402
+from mindspeed_hf.config import MemoryConfig, MindSpeedConfig, ParallelConfig  # noqa: E402
 from mindspeed_hf.parallel import (  # noqa: E402
     ParallelDims,
     context_of,
@@ -42,7 +42,10 @@ from mindspeed_hf.parallel import (  # noqa: E402
     unwrap_hf_model,
 )
 from mindspeed_hf.parallel.context.split import shard_indices  # noqa: E402
-from mindspeed_hf.versions import installed  # noqa: E402
+from mindspeed_hf.releases.supported import (
+    EP_MIN_TRANSFORMERS,  # noqa: E402
+    installed,  # noqa: E402
+)
 
 STEPS, LR = 2, 0.5
 PACKED_ROWS = ((5, 7, 3, 6), (9, 4, 8), (2, 11, 8), (21,))  # 21 tokens each: documents cross every split

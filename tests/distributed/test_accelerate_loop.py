@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import mindspeed_hf
-from mindspeed_hf.config import EP_MIN_TRANSFORMERS
 from mindspeed_hf.parallel.tensor import TP_MIN_TRANSFORMERS
+from mindspeed_hf.releases.supported import EP_MIN_TRANSFORMERS
 
 WORKER = Path(__file__).resolve().parent / "loop_worker.py"
 RELEASE = Version(transformers.__version__)

@@ -24,11 +24,11 @@ import torch
 from child_runs import child_env, run_or_fail, run_trainer_worker, torchrun
 from tiny_models import tiny_model
 
-from mindspeed_hf.config import EP_MIN_TRANSFORMERS, ParallelConfig
+from mindspeed_hf.config import ParallelConfig
 from mindspeed_hf.parallel import ParallelDims
 from mindspeed_hf.parallel.context import ContextParallel, check_context_parallel, split_cp_batch
 from mindspeed_hf.parallel.context.model import cp_attention_forward
-from mindspeed_hf.versions import installed
+from mindspeed_hf.releases.supported import EP_MIN_TRANSFORMERS, installed
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "context_parallel_worker.py"

@@ -20,8 +20,8 @@ import pytest
 import torch
 from child_runs import child_env, run_worker
 
-from mindspeed_hf.config import EP_MIN_TRANSFORMERS, ParallelConfig
-from mindspeed_hf.versions import installed
+from mindspeed_hf.config import ParallelConfig
+from mindspeed_hf.releases.supported import EP_MIN_TRANSFORMERS, installed
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "expert_worker.py"

@@ -273,7 +273,7 @@ def _one_line(make) -> str:
 @needs_tp
 def test_unsupported_combinations_are_refused_in_one_line(sizes, fragment):
     if "ep" in sizes:
-        from mindspeed_hf.config import check_ep_release
+        from mindspeed_hf.releases.supported import check_ep_release
 
         try:
             check_ep_release(2)

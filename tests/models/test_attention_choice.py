@@ -10,7 +10,7 @@ from tiny_models import FAMILY_CONFIGS, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
 import mindspeed_hf
-from mindspeed_hf.compat import sdpa_replaceable, supports_attention_interface
+from mindspeed_hf.releases.compat import sdpa_replaceable, supports_attention_interface
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))

@@ -1,4 +1,4 @@
-"""mindspeed_hf.compat on the installed transformers: each shim gives what that release's own code expects (the
+"""mindspeed_hf.releases.compat on the installed transformers: each shim gives what that release's own code expects (the
 model and op tests run the shims end to end; these pin the edges of each one)."""
 
 import pytest
@@ -7,8 +7,8 @@ from tiny_models import tiny_model
 from transformers import TrainingArguments, masking_utils
 from transformers.models.llama import modeling_llama
 
-from mindspeed_hf import compat
 from mindspeed_hf.patches import forwards
+from mindspeed_hf.releases import compat
 
 
 def test_rope_forward_takes_every_signature_of_the_release():

@@ -15,7 +15,7 @@ from tiny_models import FAMILY_CONFIGS, tiny_model
 from transformers import __version__ as transformers_version
 
 import mindspeed_hf
-from mindspeed_hf import compat
+from mindspeed_hf.releases import compat
 
 FIVE = int(transformers_version.split(".")[0]) >= 5
 pytestmark = pytest.mark.skipif(not FIVE, reason="transformers 4.57's models do not trace with fullgraph=True")

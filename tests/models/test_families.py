@@ -8,11 +8,11 @@ import transformers
 from tiny_models import FAMILY_CONFIGS, assert_close_grads, loss_and_grads, packed_batch, padded_batch, tiny_model
 
 import mindspeed_hf
-from mindspeed_hf.compat import sdpa_replaceable
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.patches import FAMILIES
 from mindspeed_hf.patches.families import ModelFamily
 from mindspeed_hf.patches.forwards import checkpointing_cell
+from mindspeed_hf.releases.compat import sdpa_replaceable
 
 # Text decoders (XForCausalLM heads); vision-language and third-party families have their own tests
 # (tests/models/test_vlm.py, the Qwen3-TTS example's).

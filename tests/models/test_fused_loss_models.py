@@ -11,10 +11,10 @@ import pytest
 import torch
 from tiny_models import FAMILY_CONFIGS, VOCAB, assert_close_grads, padded_batch, tiny_model
 
-from mindspeed_hf.compat import CACHE_NAME, cache_of
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.patches import scope
 from mindspeed_hf.patches.causal_lm import SkippedLogits, causal_lm_forward
+from mindspeed_hf.releases.compat import CACHE_NAME, cache_of
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 # Gemma3's text config has no softcap by default: turn it on so one family of each kind exercises it

@@ -21,9 +21,9 @@ from transformers.modeling_utils import AttentionInterface
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager
 
-from mindspeed_hf.compat import UNPACKED_BATCHES_GET_SEQUENCE_IDS, create_mask
 from mindspeed_hf.device import import_torch_npu
 from mindspeed_hf.ops import attention, varlen
+from mindspeed_hf.releases.compat import UNPACKED_BATCHES_GET_SEQUENCE_IDS, create_mask
 
 B, S, NQ, NKV, D = 3, 37, 6, 2, 24
 SCALE = 0.17  # not 1/sqrt(D): the scale must be passed explicitly (the op's default is 1.0)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mindspeed_hf import compat
 from mindspeed_hf.ops.experts import experts_mlp, grouped_mlp, permute, unpermute
+from mindspeed_hf.releases import compat
 
 pytestmark = pytest.mark.skipif(compat.experts_registry() is None,
                                 reason="fused 3-D experts (the reference) need transformers >= 5")

@@ -8,9 +8,9 @@ from test_wiring import dataset, quick_args, tiny_model
 from transformers import Trainer
 
 import mindspeed_hf
-from mindspeed_hf.compat import training_args_checkpointing_names
 from mindspeed_hf.memory.recompute import decoder_layers
 from mindspeed_hf.memory.selective import is_wrapped
+from mindspeed_hf.releases.compat import training_args_checkpointing_names
 from mindspeed_hf.runtime import run_of
 from mindspeed_hf.trainers import MindSpeedTrainer, MindSpeedTrainingArguments
 

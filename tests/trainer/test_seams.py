@@ -18,7 +18,8 @@ from packaging.version import Version
 from snapshots import changed, transformers_symbols
 
 import mindspeed_hf
-from mindspeed_hf.trainers import seams, wiring
+from mindspeed_hf.releases import seams
+from mindspeed_hf.trainers import wiring
 from mindspeed_hf.trainers.fsdp import OVERRIDES
 
 PACKAGE = pathlib.Path(mindspeed_hf.__file__).parent
@@ -175,12 +176,12 @@ NOT_YET_ROUTED: dict[str, set[str]] = {}  # private name -> modules still to swi
 
 def test_a_name_with_an_accessor_is_used_only_in_compat():
     """A private name used in several modules goes through one compat.py function; nothing else names it."""
-    from mindspeed_hf import compat
+    from mindspeed_hf.releases import compat
 
     used = private_names_used(_package_sources())
     for seam in (s for s in seams.SEAMS if s.accessor is not None):
         assert callable(getattr(compat, seam.accessor, None)), seam.accessor
-        elsewhere = {w.split(":")[0] for w in used.get(seam.attribute, [])} - {"mindspeed_hf/compat.py"}
+        elsewhere = {w.split(":")[0] for w in used.get(seam.attribute, [])} - {"mindspeed_hf/releases/compat.py"}
         assert elsewhere == NOT_YET_ROUTED.get(seam.attribute, set()), \
             f"{seam.attribute}: call compat.{seam.accessor} instead (or update NOT_YET_ROUTED)"
 

@@ -39,3 +39,15 @@ def unsupported() -> list[str]:
 def describe() -> str:
     """`transformers >=4.57,<6, accelerate >=1.10,<2, peft >=0.17,<1`."""
     return ", ".join(f"{package} >={low},<{high}" for package, (low, high) in SUPPORTED.items())
+
+
+#: expert parallelism needs the fused 3-D experts modules (gate_up_proj [E, 2I, H]) transformers 5 introduced
+EP_MIN_TRANSFORMERS = "5.0"
+
+
+def check_ep_release(ep: int) -> None:
+    """Refuse parallel.ep > 1 on a transformers release without fused experts modules."""
+    found = installed("transformers")
+    if found is not None and found < Version(EP_MIN_TRANSFORMERS):
+        raise ValueError(f"parallel.ep={ep}: expert parallelism needs transformers >= {EP_MIN_TRANSFORMERS} (fused "
+                         f"experts modules), transformers {found} is installed; valid choices: parallel.ep=1")

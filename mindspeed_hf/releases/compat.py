@@ -331,7 +331,7 @@ def _registered_experts_accepted(functions: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- private names used in several modules
-# Each is a seam (trainers/seams.py, `accessor`): the name appears here and nowhere else in the package.
+# Each is a seam (releases/seams.py, `accessor`): the name appears here and nowhere else in the package.
 
 
 def registered(interface: Any) -> dict[str, Callable]:

@@ -5,8 +5,8 @@ adds ours around them; where it must replace a private method, or read or set a 
 of a model, config or attention registry, or of torch - the name is listed here with the reason and dated against
 the real wheels (`since` / `until`: the first release of the owning package that has it / no longer has it, found
 by reading every release's files; torch names are dated from the oldest supported torch, 2.6, and checked against
-the installed one). A private name used in more than one module goes through one accessor in mindspeed_hf/compat.py
-(`accessor`), so it appears in one place.
+the installed one). A private name used in more than one module goes through one accessor in
+mindspeed_hf/releases/compat.py (`accessor`), so it appears in one place.
 
 A seam with a `without` note is optional: releases that lack it take another path with the same result (the note
 says which), and the code asks `available(name)` before using it. A seam with a `feature` is used only by that
