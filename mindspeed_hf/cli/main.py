@@ -227,7 +227,8 @@ def cmd_bench(argv: list[str]) -> int:
         check_variables(os.environ)
         check_options(own.repeats, own.backend, own.steps)
         # the overrides as the children will read them (unknown or bad TrainingArguments values: one line here)
-        build_training_args(load_run_config(config), overrides, accelerated=False)
+        with third_party_quiet():
+            build_training_args(load_run_config(config), overrides, accelerated=False)
         if own.plot:
             from ..bench.plot import require_matplotlib
 
@@ -271,7 +272,10 @@ def cmd_export(argv: list[str]) -> int:
     own = parsed[0]
 
     def run() -> int:
-        from ..checkpoints.export import export
+        from .quiet import third_party_quiet
+
+        with third_party_quiet(not own.debug):  # other packages' import-time lines held back, as for train
+            from ..checkpoints.export import export
 
         out = export(own.checkpoint, own.out, merge_lora=own.merge_lora, dtype=own.dtype,
                      max_shard_size=own.shard_size, push_to_hub=own.push_to_hub, overwrite=own.overwrite)
@@ -290,8 +294,10 @@ def cmd_env(argv: list[str]) -> int:
 
     def run() -> int:
         from .env import main as env_main
+        from .quiet import third_party_quiet
 
-        _enable()
+        with third_party_quiet(not own.debug):  # other packages' import-time lines held back, as for train
+            _enable()
         return env_main()
 
     return _one_line_errors("env", own.debug, run)

@@ -75,6 +75,21 @@ def test_command_hides_import_noise_unless_debug(tmp_path):
     assert "mindspeed_hf: qwen3 on backend" in quiet.stderr  # our own lines are still there
 
 
+BITSANDBYTES_NOTICE = "Failed to load CPU gemm_4bit_forward"  # bitsandbytes' import-time line where `kernels` is
+
+
+def test_env_hides_import_noise():
+    """`mindspeed-hf env` (and export, bench: the same quiet block) prints its table without other packages'
+    import-time lines (deepspeed's on a CPU machine, bitsandbytes' where the `kernels` package is installed)."""
+    env = child_env(auto=True, quiet=False)
+    env.pop("DS_ACCELERATOR", None)
+    done = subprocess.run([sys.executable, "-m", "mindspeed_hf.cli.main", "env"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300, check=True)
+    out = done.stdout + done.stderr
+    assert "| setting | value |" in out
+    assert DEEPSPEED_NOTICE not in out and BITSANDBYTES_NOTICE not in out, out[:2000]
+
+
 def test_ctrl_c_says_how_to_resume(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "mindspeed_hf.cli.main", "train", "--skip-quality-eval", "--save_strategy", "steps",
