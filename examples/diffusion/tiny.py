@@ -1,5 +1,5 @@
 """Shared by the diffusion examples: their options, the embedded data and flow-matching step (shipped with
-mindspeed_hf for `mindspeed-hf train --recipe diffusion`: mindspeed_hf/cli/diffusion_data.py), and JSON-lines output
+mindspeed_hf for `mindspeed-hf train --recipe diffusion`: mindspeed_hf/recipes/diffusion_data.py), and JSON-lines output
 so runs can be compared. Nothing here is needed by mindspeed_hf itself; a real script loads its own data."""
 
 from __future__ import annotations

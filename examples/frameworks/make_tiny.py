@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-DEFAULT_RUN = Path(__file__).resolve().parents[2] / "mindspeed_hf" / "cli" / "default_run"
+DEFAULT_RUN = Path(__file__).resolve().parents[2] / "mindspeed_hf" / "recipes" / "default_run"
 
 CONFIG = dict(
     model_type="qwen3", vocab_size=27, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -6,7 +6,7 @@ the import.
     python examples/omni/sft_omni_thinker.py --freeze_audio true                   # train all but the audio tower
 
 The model is a tiny Qwen2.5-Omni thinker (Qwen2_5OmniThinkerForConditionalGeneration) built from a config, the data
-the synthetic rows of `mindspeed-hf train --recipe omni` (mindspeed_hf/cli/omni_data.py): one generated log-mel clip
+the synthetic rows of `mindspeed-hf train --recipe omni` (mindspeed_hf/recipes/omni_data.py): one generated log-mel clip
 (a tone whose pitch and length vary) and one generated image per row, a question about either. Rows are built without
 a processor: audio placeholder tokens counted by the model's own rule, `input_features` [clips, mel bins, frames]
 zero-padded with `feature_attention_mask`, `pixel_values` and `image_grid_thw`, labels -100 on all but the answer. A

@@ -8,7 +8,7 @@
     python examples/vlm/sft_vlm.py --trainer trl --max_steps 10           # TRL's SFTTrainer instead of Trainer
 
 The model is a tiny Qwen2.5-VL (or --model_type qwen3_vl) built from a config, the data the synthetic
-shape-and-colour questions of `mindspeed-hf train --recipe vl` (mindspeed_hf/cli/vl_data.py): images become Qwen-VL
+shape-and-colour questions of `mindspeed-hf train --recipe vl` (mindspeed_hf/recipes/vl_data.py): images become Qwen-VL
 patch rows without a processor, and the collator carries `mm_token_type_ids`, `pixel_values` and `image_grid_thw`.
 A real script would load its model with AutoModelForImageTextToText.from_pretrained and its data with the model's
 processor (which returns the same fields). Needs transformers >= 5.
