@@ -16,12 +16,14 @@ from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS, register_attention, unregister_attention
 from ..releases import compat
-from . import diffusion, experts, forwards, linear_attention, multimodal, scope, talker, third_party
+from . import diffusion, experts, linear_attention, scope, third_party
 from .announce import announce as _announce
 from .engine import FUSED_LAYERS, PATCHES
 from .families import FAMILIES, ModelFamily
+from .patching import set_once
 from .reporting import family_of, find_hf_model, replacements, report  # noqa: F401  (the package's public API)
 from .reporting import modeling as _modeling
+from .sites import SITES
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -101,87 +103,29 @@ def _announce_on_init(original):
     return post_init
 
 
-def _switch_method(owner: Any, name: str, op: str, fast: Any, base: Any = None) -> None:
-    """owner.name -> `fast` while the current config has `op` on, `base` (default: the original) otherwise (a
-    model's loss head forward also enters the model's own scope when it is called past its hooks: scope.switch);
-    disable() restores the original."""
-    if not _patches.is_patched(owner, name):
-        head = op == "fused_linear_cross_entropy" and name == "forward"
-        _patches.set(owner, name, scope.switch(op, fast, getattr(owner, name) if base is None else base,
-                                               model_forward=head))
-
-
 def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
-    """Patch every op of the family; each patched site asks the current config whether its op is on. A
-    third-party family is patched when its module is imported (now, or whenever the user imports it); patched at
-    its import, its models keep the attention they are built with until apply_to_model (qwen-tts passes its
-    config's attn_implementation on as a request, which the attention default would keep as explicit)."""
+    """Run every kernel site of the table (sites.SITES) on the family, then wire its model classes: the attention
+    default and the flash check, and one log line per model built. Each patched site asks the current config
+    whether its op is on. A third-party family is patched when its module is imported (now, or whenever the user
+    imports it); patched at its import, its models keep the attention they are built with until apply_to_model
+    (qwen-tts passes its config's attn_implementation on as a request, which the attention default would keep as
+    explicit)."""
     if family.modeling and _modeling(family) is None:
         third_party.when_imported(family.modeling, lambda _: _patch_family(family, default_attention=False))
         return
     module = _modeling(family)
     if module is None:
         return
-    norm_forward = forwards.offset_rms_norm_forward if family.offset_rms_norm else forwards.rms_norm_forward
-    for name in family.rms_norm:
-        if hasattr(module, name):  # VLMs: 4.57 imports some of these classes from the text family's module
-            _switch_method(getattr(module, name), "forward", "rms_norm", norm_forward)
-    layer = getattr(module, family.decoder_layer, None) if family.decoder_layer else None
-    if layer is not None:  # the residual add fused into the norm after it, switched with the rms_norm kernel
-        cell = forwards.checkpointing_cell(layer.forward)
-        owner, name, forward = (cell, "cell_contents", cell.cell_contents) if cell else (layer, "forward",
-                                                                                            layer.forward)
-        norms = tuple(getattr(module, name) for name in family.rms_norm if hasattr(module, name))
-        fused = None if _patches.is_patched(owner, name) else forwards.fused_layer(forward, norms,
-                                                                                   family.offset_rms_norm)
-        if fused is not None:
-            _patches.set(owner, name, switched := scope.switch("rms_norm", fused, forward))
-            switched._mindspeed_op = "add_rms_norm"
-            _fused_layers.add(layer)
-    for names, make in ((family.swiglu_mlp, forwards.swiglu_mlp_forward),
-                        (family.packed_swiglu_mlp, forwards.packed_swiglu_mlp_forward)):
-        for cls in (getattr(module, name) for name in names if hasattr(module, name)):
-            _switch_method(cls, "forward", "swiglu", make(cls.forward))
-    attention_cls = getattr(module, family.attention, None)
-    if attention_cls is not None and not _patches.is_patched(attention_cls, "forward"):
-        # q/k/v as one stacked matmul where the backend stacks (ops/linear.py), switched with the attention kernel
-        forward = attention_cls.forward
-        _patches.set(attention_cls, "forward", switched := scope.switch(
-            "attention", forwards.stacked_qkv_forward(forward), forward))
-        switched._mindspeed_op = "stacked_linear"
-    if family.rope and hasattr(module, "apply_rotary_pos_emb"):  # 4.57's Qwen2(.5)-VL: multimodal rope only
-        _switch_method(module, "apply_rotary_pos_emb", "rope", forwards.rope_function)
-    for _, function in family.mrope_attention:
-        _switch_method(module, function, "rope", third_party.mrope_function(getattr(module, function)))
+    for site in SITES:
+        site.patch(family, module)
     pretrained = getattr(module, family.pretrained)
-    if default_attention and not _patches.is_patched(pretrained, "get_correct_attn_implementation"):
-        _patches.set(pretrained, "get_correct_attn_implementation",
-                     _attention_default(pretrained.get_correct_attn_implementation, family))
+    if default_attention:
+        set_once(pretrained, "get_correct_attn_implementation",
+                 _attention_default(pretrained.get_correct_attn_implementation, family))
         if hasattr(pretrained, "_check_and_adjust_attn_implementation"):
-            _patches.set(pretrained, "_check_and_adjust_attn_implementation",
-                         _flash_checked(pretrained._check_and_adjust_attn_implementation, family))
-    if family.experts and experts.available() and not _patches.is_patched(pretrained,
-                                                                           "get_correct_experts_implementation"):
-        _patches.set(pretrained, "get_correct_experts_implementation",
-                     experts.default_wrapper(pretrained.get_correct_experts_implementation))
-    if not _patches.is_patched(pretrained, "post_init"):
-        _patches.set(pretrained, "post_init", _announce_on_init(pretrained.post_init))
-    from . import causal_lm
-
-    for name in family.causal_lm:
-        cls = getattr(module, name)
-        if not _patches.is_patched(cls, "forward"):
-            _switch_method(cls, "forward", "fused_linear_cross_entropy", causal_lm.laid_out_as(cls.forward))
-    multimodal.patch_family(family, module, _switch_method, _set_once)
-    linear_attention.patch_family(family, module, _switch_method)
-    talker.patch_family(family, module, _switch_method)
-
-
-def _set_once(owner: Any, name: str, value: Any) -> None:
-    """owner.name = value through the patch record (disable() restores it), unless it is patched already; no kernel
-    switch: for fixes that apply whenever the package is enabled."""
-    if not _patches.is_patched(owner, name):
-        _patches.set(owner, name, value)
+            set_once(pretrained, "_check_and_adjust_attn_implementation",
+                     _flash_checked(pretrained._check_and_adjust_attn_implementation, family))
+    set_once(pretrained, "post_init", _announce_on_init(pretrained.post_init))
 
 
 def enable(config: MindSpeedConfig | None = None) -> None:

@@ -70,7 +70,7 @@ class PatchSet:
         return len(self._patches)
 
 
-#: The process's record of what enable() patched (disable() restores it), written by patches/apply.py and read by
+#: The process's record of what enable() patched (disable() restores it), written by patches/patching.py and read by
 #: patches/reporting.py (replacements()).
 PATCHES = PatchSet()
 #: Decoder-layer classes whose residual add runs fused into the norm after it (report()'s add_rms_norm_layers).

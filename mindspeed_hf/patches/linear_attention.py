@@ -35,6 +35,7 @@ from ..ops.rms_norm import rms_norm
 from ..releases import compat
 from .forwards import tag
 from .packed_positions import bind, call_by_name, filled, without_cache
+from .patching import switch
 
 CHUNK_RULE = "torch_chunk_gated_delta_rule"
 # The collator's flash-attention arguments describe the packed row, not the rows a linear layer runs on.
@@ -144,15 +145,15 @@ def gated_rms_norm_forward(original: Callable) -> Callable:
     return tag("rms_norm", forward)
 
 
-def patch_family(family, module, switch: Callable[[Any, str, str, Callable], None]) -> None:
-    """Patch a hybrid family's linear-attention sites; `switch(owner, name, op, fast)` is apply's switched setter."""
+def patch(family, module) -> None:
+    """The linear_attention site (sites.SITES): patch a hybrid family's linear-attention sites."""
     if not family.linear_attention:
         return
     for name in family.text_models:
         if hasattr(module, name):
             cls = getattr(module, name)
-            switch(cls, "forward", "linear_attention", text_model_forward(cls.forward))
-            cls.forward._mindspeed_op = "packed_documents"  # switched with linear_attention, not a kernel site
+            # switched with linear_attention, not a kernel site
+            switch(cls, "forward", "linear_attention", text_model_forward(cls.forward), reported_as="packed_documents")
     layer = getattr(module, family.linear_attention, None)
     if layer is not None:
         switch(layer, "forward", "linear_attention", gated_delta_net_forward(layer.forward))

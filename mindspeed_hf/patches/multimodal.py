@@ -34,6 +34,7 @@ from . import packed_positions, scope
 from .causal_lm import SkippedLogits, logits_plan, rebuilt, tuple_requested
 from .forwards import tag
 from .lazy_logits import deferred_logits
+from .patching import set_once, switch
 
 LOSS_ONLY_KWARGS = ("shift_labels", "num_items_in_batch", "ignore_index")
 
@@ -185,32 +186,30 @@ def sectioned_mrope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 tag("rope", sectioned_mrope_forward)
 
 
-def patch_family(family, module, switch_method: Callable[..., None],
-                 set_once: Callable[[Any, str, Any], None]) -> None:
-    """Patch a family's vision attention classes, vision rope and VLM heads (names the installed release lacks
-    are skipped), and packed rows' per-document positions. `switch_method(owner, name, op, fast)` is apply's
-    recorded, config-switched patcher; `set_once(owner, name, value)` its recorded patcher without a switch."""
+def patch(family, module) -> None:
+    """The multimodal site (sites.SITES): patch a family's vision attention classes, vision rope and VLM heads (names
+    the installed release lacks are skipped), and packed rows' per-document positions."""
     for name in family.vision_attention:
         cls = getattr(module, name, None)
         # cos/sin handed in (Qwen2.5-Omni before transformers 5.20 rotates inside the layer: left as it is)
         if cls is not None and "position_embeddings" in inspect.signature(cls.forward).parameters:
-            switch_method(cls, "forward", "attention", vision_attention_forward(cls.forward))
+            switch(cls, "forward", "attention", vision_attention_forward(cls.forward))
     for name in family.audio_attention:
         cls = getattr(module, name, None)
         # transformers < 5.20's takes an attention mask and returns a tuple: left as it is
         if cls is not None and "attention_mask" not in inspect.signature(cls.forward).parameters:
-            switch_method(cls, "forward", "attention", audio_attention_forward(cls.forward))
+            switch(cls, "forward", "attention", audio_attention_forward(cls.forward))
     rope = getattr(module, "apply_rotary_pos_emb_vision", None)
     # (q, k, cos, sin); Qwen2.5-Omni before transformers 5.20 rotates one tensor by its freqs: left as it is
     if family.vision_rope and rope is not None and len(inspect.signature(rope).parameters) >= 4:
-        switch_method(module, "apply_rotary_pos_emb_vision", "rope", vision_rope_forward)
+        switch(module, "apply_rotary_pos_emb_vision", "rope", vision_rope_forward)
     if family.vlm_heads and family.rope and hasattr(module, _SECTIONED_ROPE):
-        switch_method(module, _SECTIONED_ROPE, "rope", sectioned_mrope_forward)
+        switch(module, _SECTIONED_ROPE, "rope", sectioned_mrope_forward)
     for name in family.vlm_heads:
         cls = getattr(module, name, None)
         if cls is not None:  # an Omni thinker's packed rows get their positions here, whether the loss is ours or not
             base = packed_positions.packed_positions_forward(cls.forward) if family.audio_model else cls.forward
-            switch_method(cls, "forward", "fused_linear_cross_entropy", vlm_head_forward(base), base)
+            switch(cls, "forward", "fused_linear_cross_entropy", vlm_head_forward(base), base)
     packed_positions.patch_family(family, module, set_once)
 
 

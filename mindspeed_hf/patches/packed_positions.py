@@ -13,7 +13,7 @@ expands them. Anything else goes to HF's forward untouched.
 
 The Omni thinkers get the same through their XForConditionalGeneration forward (the class every release calls
 first; where the positions are computed below it differs by release; the wrapper sits under the head's loss kernel,
-multimodal.patch_family): a document's audio clips are the next ones in order, as many as its audio-start tokens,
+multimodal.patch): a document's audio clips are the next ones in order, as many as its audio-start tokens,
 their lengths from `feature_attention_mask`. A document without images or videos keeps its text positions, as HF's
 Omni rule gives audio tokens consecutive positions.
 """
@@ -193,7 +193,7 @@ def packed_positions_forward(original: Callable) -> Callable:
 def patch_family(family, module, record: Callable[[Any, str, Any], None]) -> None:
     """Wrap the forward of every class of a Qwen-VL family's module that owns get_rope_index (a VLM entry with
     its own vision tower: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe; an Omni thinker's heads are wrapped with
-    packed_positions_forward under their loss kernel, multimodal.patch_family). `record(owner, name, value)` is the
+    packed_positions_forward under their loss kernel, multimodal.patch). `record(owner, name, value)` is the
     patch engine's recorded setter, so disable() restores HF's forward."""
     if not (family.vlm_heads and family.vision_model) or family.audio_model:  # Omni: inside its heads (multimodal)
         return

@@ -16,8 +16,7 @@ from ..releases import compat
 from . import experts, multimodal, quantized, scope, third_party
 from .engine import FUSED_LAYERS, PATCHES
 from .families import FAMILIES, ModelFamily, family_for
-
-OPS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entropy", "experts", "linear_attention")
+from .sites import OPS, REPORTED_AS
 
 
 def modeling(family: ModelFamily):
@@ -113,8 +112,7 @@ def report(model: nn.Module) -> dict[str, Any]:
                                                                                 "model_type", None),
             "backend": registry.resolve_backend(device),
             "kernels": counts,
-            "implementations": {op: registry.implementation(op, device) for op in (*OPS, "add_rms_norm",
-                                                                                   "stacked_linear")
+            "implementations": {op: registry.implementation(op, device) for op in (*OPS, *REPORTED_AS)
                                 if op in registry.registered_ops()},
             "add_rms_norm_layers": layers,  # decoder layers whose residual add is fused into the norm after it
             "attention_implementation": compat.attn_implementation(getattr(hf_model, "config", None)),
@@ -122,7 +120,7 @@ def report(model: nn.Module) -> dict[str, Any]:
             config.kernels.skip_logits,
             "kept": kept,
             # what really ran on this model since it was built (or accelerated): executions per op
-            "ran": {**dict.fromkeys((*OPS, "add_rms_norm", "stacked_linear", "vision_attention"), 0),
+            "ran": {**dict.fromkeys((*OPS, *REPORTED_AS, "vision_attention"), 0),
                     **scope.ran(hf_model)}
             if hf_model is not None else {},
             "quantized_linear": quantized.describe(model, device),

@@ -39,6 +39,7 @@ from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from . import scope
 from .causal_lm import SkippedLogits, logits_plan, rebuilt, tuple_requested
 from .lazy_logits import deferred_logits
+from .patching import switch
 
 OP = "fused_linear_cross_entropy"
 _LOSS_ONLY = ("shift_labels", "num_items_in_batch", "ignore_index")
@@ -218,11 +219,11 @@ def code_predictor_forward(original: Callable, fused: bool) -> Callable:
     return forward
 
 
-def patch_family(family, module, set_switch: Callable[[Any, str, str, Callable, Callable], None]) -> None:
-    """Patch a family's talker heads and code predictors (names the installed release lacks are skipped).
-    `set_switch(owner, name, op, fast, original)` is apply's recorded patcher: `fast` while the running config has
-    `op` on, `original` (here: the same labels handling on HF's logits and loss) otherwise."""
+def patch(family, module) -> None:
+    """The talker site (sites.SITES): patch a family's talker heads and code predictors (names the installed release
+    lacks are skipped): the fused loss while the running config has it on, otherwise the same labels handling on
+    HF's logits and loss."""
     for names, make in ((family.talker_heads, talker_forward), (family.code_predictors, code_predictor_forward)):
         for cls in (getattr(module, name) for name in names if hasattr(module, name)):
             original = cls.forward
-            set_switch(cls, "forward", OP, make(original, fused=True), make(original, fused=False))
+            switch(cls, "forward", OP, make(original, fused=True), make(original, fused=False))
