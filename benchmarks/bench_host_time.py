@@ -111,7 +111,8 @@ def main() -> None:
         order = ("0", "1") if i % 2 == 0 else ("1", "0")
         pairs.append({auto: one_run(auto, args.steps, threads) for auto in order})
     diff = max(abs(a - b) for p in pairs for a, b in zip(p["0"]["losses"], p["1"]["losses"], strict=True))
-    lines = [f"examples/sft_trainer.py, {args.steps} steps, {args.pairs} interleaved process pairs, "
+    lines = [f"`taskset -c N python benchmarks/bench_host_time.py {' '.join(sys.argv[1:])}`", "",
+             f"examples/sft_trainer.py, {args.steps} steps, {args.pairs} interleaved process pairs, "
              f"OMP_NUM_THREADS={threads or 'default'}, affinity {sorted(os.sched_getaffinity(0))}",
              "", "| measure | plain HF (MINDSPEED_HF_AUTO=0) | mindspeed_hf | ratio, median [min-max] |",
              "|---|---|---|---|",
