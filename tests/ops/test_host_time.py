@@ -1,9 +1,13 @@
 """Host time on the hot path, without timing anything: the registry chooses a kernel once per (op, requested
 backend, device type), not per call, and report() still counts every execution."""
 
+import inspect
+
+import pytest
 import torch
 
 from mindspeed_hf.ops import registry, rms_norm
+from mindspeed_hf.patches.forwards import _binder
 
 
 def test_kernel_is_chosen_once_per_op_backend_and_device(monkeypatch):
@@ -34,3 +38,30 @@ def test_kernel_is_chosen_once_per_op_backend_and_device(monkeypatch):
         assert chosen[1:] == [("rms_norm", "npu", "cpu")]
     finally:
         registry.set_backend(None)
+
+
+def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, use_cache=False, **kwargs):
+    return hidden_states
+
+
+@pytest.mark.parametrize("args,kwargs", [
+    (("h",), {}),
+    (("h",), {"position_ids": 3, "extra": 1}),
+    ((), {"hidden_states": "h", "attention_mask": 2, "use_cache": True}),
+    (("h", 2, 3, True), {"more": 4}),
+])
+def test_fused_layer_binds_as_python_does(args, kwargs):
+    """The fused decoder layer's argument binding, worked out once at patch time, equals signature.bind's."""
+    signature = inspect.signature(_layer_forward)
+    bound = signature.bind("self", *args, **kwargs)
+    bound.apply_defaults()
+    expected = dict(bound.arguments)
+    named, extra = _binder(signature)("self", args, kwargs)
+    assert extra == expected.pop("kwargs")
+    assert named == expected
+
+
+@pytest.mark.parametrize("args,kwargs", [((), {}), (("h",), {"hidden_states": "h"}), (("h", 1, 2, 3, 4), {})])
+def test_fused_layer_binding_raises_pythons_errors(args, kwargs):
+    with pytest.raises(TypeError):
+        _binder(inspect.signature(_layer_forward))("self", args, kwargs)

@@ -1,5 +1,5 @@
-"""The torch backend's fp32 RMSNorm is torch's own rms_norm (one op, less host time per call): it must give HF's
-bits exactly, forward and backward, not merely within the parity tolerance."""
+"""The torch backend's fp32 RMSNorm gives HF's bits exactly, forward and backward, not merely within the parity
+tolerance (torch's own rms_norm gives them too, but see docs/host_time.md for why it is not used yet)."""
 
 import pytest
 import torch
