@@ -1,4 +1,5 @@
-"""Kernel registry: one implementation per (op, backend), chosen per call from the tensors' device.
+"""Kernel registry: one implementation per (op, backend), chosen from the tensors' device once per (op, requested
+backend, device) and then looked up in a dict (the choice sits on the hot path of every patched call).
 
 `MINDSPEED_HF_BACKEND=auto|torch|npu|cuda` overrides the choice: `auto` follows the device; a forced `npu` runs
 the torch_npu path even on CPU tensors (how the NPU path is tested with a stand-in module). A backend whose
@@ -34,6 +35,8 @@ class Kernel:
 
 
 _KERNELS: dict[str, dict[str, Kernel]] = {}
+# (op, requested backend, device or device type) -> the kernel chosen for it; emptied when a kernel is registered.
+_CHOSEN: dict[tuple[str, str, str], Kernel] = {}
 _backend = {"requested": None}  # set by set_backend(); None = read MINDSPEED_HF_BACKEND on first use
 # The backend of the model that is running now (its own config's), set around its forward by patches/scope.py.
 _running_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("mindspeed_hf_backend", default=None)
@@ -75,6 +78,7 @@ def register(op: str, backend: str, name: str | None = None, available: Callable
     def decorate(fn: Callable) -> Callable:
         check = available or _DEFAULT_AVAILABILITY[backend]
         _KERNELS.setdefault(op, {})[backend] = Kernel(op, backend, name or f"{backend}:{fn.__name__}", fn, check)
+        _CHOSEN.clear()
         return fn
 
     return decorate
@@ -130,20 +134,38 @@ def resolve_backend(device: torch.device | str) -> str:
     return _DEVICE_TO_BACKEND.get(torch.device(device).type, "torch")
 
 
-def select(op: str, device: torch.device | str) -> Kernel:
-    """The kernel that runs `op` for tensors on `device` (the torch reference when the backend has none)."""
+def _choose(op: str, requested: str, device: str) -> Kernel:
     kernels = _KERNELS[op]
-    kernel = kernels.get(resolve_backend(device))
+    backend = requested if requested != "auto" else _DEVICE_TO_BACKEND.get(torch.device(device).type, "torch")
+    kernel = kernels.get(backend)
     if kernel is None or not kernel.available():
         kernel = kernels["torch"]
     return kernel
 
 
+def select(op: str, device: torch.device | str) -> Kernel:
+    """The kernel that runs `op` for tensors on `device` (the torch reference when the backend has none). Chosen
+    once per (op, requested backend, device type); availability is checked then (the checks are cached anyway)."""
+    requested = requested_backend()
+    key = (op, requested, device if isinstance(device, str) else device.type)
+    kernel = _CHOSEN.get(key)
+    if kernel is None:
+        kernel = _CHOSEN[key] = _choose(op, requested, key[2])
+    return kernel
+
+
 def run(op: str, device: torch.device | str) -> Callable:
     """The function that runs `op` for tensors on `device` (as `select`), counted as one execution on the running
-    model's counter (report()["ran"]: what really ran, not what was patched)."""
-    kernel = select(op, device)
-    counts = None if torch.compiler.is_compiling() else _ran.get()  # a compiled graph runs no Python to count
+    model's counter (report()["ran"]: what really ran, not what was patched). The hot path of every patched call:
+    one compile check, two context-variable reads, one dict look-up."""
+    if torch.compiler.is_compiling():  # a compiled graph runs no Python to count
+        return select(op, device).fn
+    requested = _running_backend.get() or _backend["requested"] or requested_backend()
+    key = (op, requested, device if isinstance(device, str) else device.type)
+    kernel = _CHOSEN.get(key)
+    if kernel is None:
+        kernel = _CHOSEN[key] = _choose(op, requested, key[2])
+    counts = _ran.get()
     if counts is not None:
         name = _REPORTED_AS.get(op, op)
         counts[name] = counts.get(name, 0) + 1
@@ -154,6 +176,11 @@ def count_into(counts: dict[str, int] | None) -> contextvars.Token | None:
     """Count the kernels that run until `stop_counting(token)` into `counts` (a model's own counter); nothing while
     torch.compile traces."""
     return None if torch.compiler.is_compiling() else _ran.set(counts)
+
+
+def counter() -> dict[str, int] | None:
+    """The counter kernels are counted into now (count_into), or None."""
+    return _ran.get()
 
 
 def stop_counting(token: contextvars.Token | None) -> None:

@@ -21,15 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from .fsdp import reshard_model
 
@@ -53,6 +45,22 @@ __all__ = [
 COMPLETE_MARKER = "COMPLETE"
 STAGING_SUFFIX = ".tmp"
 _EXTRA = "extra_state_rank{}.pt"
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported where a checkpoint is written or read: importing it pulls in
+    torch.distributed.elastic and the FSDP1 state-dict code, about half a second that `import mindspeed_hf` and a
+    run that never checkpoints should not pay."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _state_dict_api():
+    """torch.distributed.checkpoint.state_dict (see _dcp: imported where used)."""
+    import torch.distributed.checkpoint.state_dict as api
+
+    return api
 
 
 def _rank() -> int:
@@ -93,8 +101,8 @@ def save_hf_consolidated(
         return None
     reshard_model(model)
     peft = _is_peft(model)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=peft)
-    state = get_model_state_dict(model, options=options)
+    options = _state_dict_api().StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=peft)
+    state = _state_dict_api().get_model_state_dict(model, options=options)
     if rank == 0:
         os.makedirs(output_dir, exist_ok=True)
         # save_pretrained consumes (empties) the dict it is given: hand it a shallow copy
@@ -134,30 +142,31 @@ def unmark(path: str) -> None:
 
 def save_model_shards(model: nn.Module, path: str) -> None:
     """This rank's model shards (DCP) into directory ``path`` (collective)."""
-    dcp.save({"model": get_model_state_dict(reshard_model(model))}, checkpoint_id=path)
+    _dcp().save({"model": _state_dict_api().get_model_state_dict(reshard_model(model))}, checkpoint_id=path)
 
 
 def load_model_shards(model: nn.Module, path: str) -> None:
     """Read model shards written by :func:`save_model_shards` into the sharded ``model`` (collective; the mesh
     may differ from the one that wrote them)."""
-    state = {"model": get_model_state_dict(reshard_model(model))}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    state = {"model": _state_dict_api().get_model_state_dict(reshard_model(model))}
+    _dcp().load(state, checkpoint_id=path)
+    _state_dict_api().set_model_state_dict(model, state["model"])
 
 
 def save_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
     """This rank's optimizer state shards (DCP) into directory ``path`` (collective)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    get_optimizer_state_dict = _state_dict_api().get_optimizer_state_dict
 
-    dcp.save({"optim": get_optimizer_state_dict(reshard_model(model), optimizer)}, checkpoint_id=path)
+    _dcp().save({"optim": get_optimizer_state_dict(reshard_model(model), optimizer)}, checkpoint_id=path)
 
 
 def load_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
     """Read optimizer shards written by :func:`save_optimizer_shards` (collective)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    api = _state_dict_api()
+    get_optimizer_state_dict, set_optimizer_state_dict = api.get_optimizer_state_dict, api.set_optimizer_state_dict
 
     state = {"optim": get_optimizer_state_dict(reshard_model(model), optimizer)}
-    dcp.load(state, checkpoint_id=path)
+    _dcp().load(state, checkpoint_id=path)
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
@@ -189,8 +198,8 @@ def latest_complete_checkpoint(root: str) -> str | None:
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     reshard_model(model)
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    msd, osd = get_state_dict(model, optimizer)
+        return {"model": _state_dict_api().get_model_state_dict(model)}
+    msd, osd = _state_dict_api().get_state_dict(model, optimizer)
     return {"model": msd, "optim": osd}
 
 
@@ -215,7 +224,7 @@ def save_sharded(
         os.makedirs(staging)
     _barrier()
     os.makedirs(staging, exist_ok=True)
-    dcp.save(_state(model, optimizer), checkpoint_id=staging)
+    _dcp().save(_state(model, optimizer), checkpoint_id=staging)
     torch.save(extra_state or {}, os.path.join(staging, _EXTRA.format(rank)))
     _barrier()
     if rank == 0:
@@ -249,11 +258,11 @@ def load_sharded(
             "use latest_complete_checkpoint(root) to find one"
         )
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=ckpt_dir)
+    _dcp().load(state, checkpoint_id=ckpt_dir)
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        _state_dict_api().set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(
+        _state_dict_api().set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
     path = os.path.join(ckpt_dir, _EXTRA.format(_rank()))

@@ -213,6 +213,47 @@ def _norm_eps(norm: nn.Module) -> float:
     return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
 
 
+def _binder(signature: inspect.Signature) -> Callable:
+    """`bind(self, args, kwargs)` -> (named arguments with defaults, the extra keyword arguments): what
+    `signature.bind` + `apply_defaults` give for a forward `(self, a, b=..., ..., **kwargs)`, worked out once here
+    instead of per call. Anything else (positional varargs, keyword-only, a clash) goes through `signature.bind`,
+    which also raises Python's own errors."""
+    params = list(signature.parameters.values())
+    kinds = {p.kind for p in params}
+    plain = kinds <= {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_KEYWORD}
+    var_kw = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    required = {p.name for p in params if p.default is inspect.Parameter.empty and p.name != var_kw}
+
+    def slow(self, args, kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments)
+        return named, named.get(var_kw, {}) if var_kw else {}
+
+    def bind(self, args, kwargs):
+        if not plain or len(args) + 1 > len(positional):
+            return slow(self, args, kwargs)
+        named = dict(defaults)
+        named.update(zip(positional, (self, *args)))
+        extra = {}
+        for key, value in kwargs.items():
+            if key in named and key in positional[:len(args) + 1]:
+                return slow(self, args, kwargs)  # given twice: Python's error
+            if key in defaults or key in required:
+                named[key] = value
+            elif var_kw is not None:
+                extra[key] = value
+            else:
+                return slow(self, args, kwargs)  # unexpected keyword: Python's error
+        if not required <= named.keys():
+            return slow(self, args, kwargs)  # one missing: Python's error
+        return named, extra
+
+    return bind
+
+
 def fused_layer_forward(original: Callable, shape: str, attn_args: tuple[str, ...], norm_classes: tuple[type, ...],
                         offset: bool) -> Callable:
     """A decoder-layer forward equal to `original` (whose body is LAYER_SHAPES[shape]) with the residual add and
@@ -220,17 +261,16 @@ def fused_layer_forward(original: Callable, shape: str, attn_args: tuple[str, ..
     signature = inspect.signature(inspect.unwrap(original))
     renamed = {_renamed(f) for f in _wrappers(original)}
     fused_norm = "post_attention_layernorm" if shape == "pre" else "pre_feedforward_layernorm"
+    bind = _binder(signature)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         norm = getattr(self, fused_norm)
         if renamed & set(kwargs) or not _plain_norm(norm, norm_classes):
             return original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        named = dict(bound.arguments)
+        named, extra = bind(self, args, kwargs)
         hidden_states = named["hidden_states"]
         passed = {name: named[name] for name in attn_args}
-        passed.update(named.get("kwargs", {}))
+        passed.update(extra)
         residual = hidden_states
         hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **passed)
         if shape == "sandwich":

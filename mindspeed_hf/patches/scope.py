@@ -88,6 +88,10 @@ def _enter(config: MindSpeedConfig | None, counts: dict[str, int]) -> Callable[.
         if torch.compiler.is_compiling():
             _enter_traced(config)
             return
+        if registry.counter() is counts and (config is None or _running.get() is config):
+            # Already inside this model's scope (a layer's child run by its layer): nothing to set or reset.
+            module.__dict__.setdefault("_mindspeed_tokens", []).append(())
+            return
         tokens = (registry.count_into(counts),) if config is None else (
             registry.count_into(counts), _running.set(config),
             registry.use_backend(None if config.backend == "auto" else config.backend))
@@ -116,7 +120,8 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
         if len(tokens) == 3:
             registry.reset_backend(tokens[2])
             _running.reset(tokens[1])
-        registry.stop_counting(tokens[0])
+        if tokens:
+            registry.stop_counting(tokens[0])
 
 
 _leave._mindspeed_scope = True

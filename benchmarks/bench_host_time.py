@@ -1,0 +1,128 @@
+"""Host (CPU) time of the README's example, accelerated against plain: examples/sft_trainer.py run as separate
+processes, MINDSPEED_HF_AUTO=1 and =0 in interleaved pairs, one thread each (OMP_NUM_THREADS=1; pin the whole
+benchmark with `taskset -c N`). Per run: CPU seconds of the whole process (import included, from the OS), the
+median training step (wall and CPU, first 5 steps left out) and the import time of mindspeed_hf.
+
+    taskset -c 1 python benchmarks/bench_host_time.py --pairs 3 --steps 40 --out benchmarks/results/host_time_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from results_io import emit
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = Path(__file__).resolve().parent / "host_time_child.py"
+
+
+def one_run(auto: str, steps: int, threads: str | None) -> dict:
+    """One process of the example; its whole-process CPU seconds (user + system) and the child's step figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "MINDSPEED_HF_AUTO": auto, "HOST_TIME_OUT": f"{tmp}/t.json"}
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = threads
+        cmd = [sys.executable, str(CHILD), str(ROOT / "examples" / "sft_trainer.py"), "--max_steps", str(steps),
+               "--output_dir", tmp, "--losses_file", f"{tmp}/losses.jsonl"]
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
+        if status != 0:
+            raise RuntimeError(f"{cmd} failed ({status})")
+        timed = json.loads(Path(f"{tmp}/t.json").read_text())
+        losses = [json.loads(line)["loss"] for line in Path(f"{tmp}/losses.jsonl").read_text().splitlines()
+                  if '"loss"' in line]
+    later = timed["steps"][5:] or timed["steps"]
+    return {"cpu_s": usage.ru_utime + usage.ru_stime, "import_s": timed["import_s"],
+            "step_s": statistics.median(w for w, _ in later), "step_cpu_s": statistics.median(c for _, c in later),
+            "losses": losses}
+
+
+def micro_worker(calls: int) -> None:
+    """Print (JSON) the seconds per call of the tiny model's final RMSNorm on a small tensor: patched under
+    MINDSPEED_HF_AUTO=1 (its scope hooks and kernel included), HF's own module under =0."""
+    import time
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch
+    from common import load_tokenizer, tiny_model
+
+    import mindspeed_hf  # noqa: F401
+
+    norm = tiny_model(load_tokenizer()).model.norm
+    x = torch.randn(1, 8, norm.weight.shape[0])
+    with torch.no_grad():
+        for _ in range(200):
+            norm(x)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                norm(x)
+            best = min(best, (time.perf_counter() - start) / calls)
+    print(json.dumps({"call_s": best}))
+
+
+def micro(pairs: int, calls: int) -> list[str]:
+    """Per-call time of RMSNorm, accelerated vs plain, in interleaved process pairs (best of 5 loops each)."""
+    runs = []
+    for i in range(pairs):
+        pair = {}
+        for auto in ("0", "1") if i % 2 == 0 else ("1", "0"):
+            out = subprocess.run([sys.executable, __file__, "--micro-worker", "--calls", str(calls)], check=True,
+                                 capture_output=True, text=True, env={**os.environ, "MINDSPEED_HF_AUTO": auto,
+                                                                      "OMP_NUM_THREADS": "1"}).stdout
+            pair[auto] = json.loads(out.strip().splitlines()[-1])
+        runs.append(pair)
+    return ["", f"Per call, RMSNorm(128) on a (1, 8, 128) fp32 tensor, no grad, {calls} calls, best of 5 loops, "
+                f"{pairs} process pairs:", "", "| measure | plain HF | mindspeed_hf | ratio, median [min-max] |",
+            "|---|---|---|---|", ratio_line("RMSNorm call (s)", runs, "call_s", digits=7)]
+
+
+def ratio_line(name: str, pairs: list[dict], key: str, digits: int = 4) -> str:
+    ratios = [p["1"][key] / p["0"][key] for p in pairs]
+    plain = statistics.median(p["0"][key] for p in pairs)
+    ours = statistics.median(p["1"][key] for p in pairs)
+    return (f"| {name} | {plain:.{digits}f} | {ours:.{digits}f} | {statistics.median(ratios):.3f}x "
+            f"[{min(ratios):.3f}-{max(ratios):.3f}] |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--threads", default="1", help="OMP_NUM_THREADS of the runs ('' leaves the default)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--calls", type=int, default=5000, help="calls per timed loop of the RMSNorm micro-benchmark")
+    ap.add_argument("--micro-worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.micro_worker:
+        micro_worker(args.calls)
+        return
+    threads = args.threads or None
+    pairs = []
+    for i in range(args.pairs):
+        order = ("0", "1") if i % 2 == 0 else ("1", "0")
+        pairs.append({auto: one_run(auto, args.steps, threads) for auto in order})
+    diff = max(abs(a - b) for p in pairs for a, b in zip(p["0"]["losses"], p["1"]["losses"], strict=True))
+    lines = [f"`taskset -c N python benchmarks/bench_host_time.py {' '.join(sys.argv[1:])}`", "",
+             f"examples/sft_trainer.py, {args.steps} steps, {args.pairs} interleaved process pairs, "
+             f"OMP_NUM_THREADS={threads or 'default'}, affinity {sorted(os.sched_getaffinity(0))}",
+             "", "| measure | plain HF (MINDSPEED_HF_AUTO=0) | mindspeed_hf | ratio, median [min-max] |",
+             "|---|---|---|---|",
+             ratio_line("whole process CPU seconds (import included)", pairs, "cpu_s"),
+             ratio_line("training step wall (s, median of steps 6..)", pairs, "step_s"),
+             ratio_line("training step CPU (s, median of steps 6..)", pairs, "step_cpu_s"),
+             ratio_line("`import mindspeed_hf` (s)", pairs, "import_s"),
+             "", f"max |loss diff| between the runs {diff:.2e}", *micro(args.pairs, args.calls)]
+    emit("\n".join(lines) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    main()
