@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import weakref
 from typing import Any
 
@@ -112,6 +113,10 @@ def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
     explicit)."""
     if family.modeling and _modeling(family) is None:
         third_party.when_imported(family.modeling, lambda _: _patch_family(family, default_attention=False))
+        return
+    if not family.modeling and family.modeling_module not in sys.modules:
+        # not imported yet: patched right after its import (`import mindspeed_hf` imports no modeling module)
+        third_party.when_imported(family.modeling_module, lambda _: _patch_family(family))
         return
     module = _modeling(family)
     if module is None:

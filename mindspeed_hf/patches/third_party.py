@@ -33,34 +33,35 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     the user's `import qwen_tts`, before or after ours)."""
 
     def __init__(self) -> None:
-        self.watched: dict[str, Callable[[ModuleType], None]] = {}
+        self.watched: dict[str, list[Callable[[ModuleType], None]]] = {}
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        callback = self.watched.get(name)
-        if callback is None:
+        callbacks = self.watched.get(name)
+        if not callbacks:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(name, path, target)
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _CallbackLoader(spec.loader, callback)
+                spec.loader = _CallbackLoader(spec.loader, tuple(callbacks))
                 return spec
         return None
 
 
 class _CallbackLoader(importlib.abc.Loader):
-    """The module's own loader, then the callback."""
+    """The module's own loader, then the callbacks."""
 
-    def __init__(self, loader: Any, callback: Callable[[ModuleType], None]) -> None:
-        self.loader, self.callback = loader, callback
+    def __init__(self, loader: Any, callbacks: tuple[Callable[[ModuleType], None], ...]) -> None:
+        self.loader, self.callbacks = loader, callbacks
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        self.callback(module)
+        for callback in self.callbacks:
+            callback(module)
 
 
 _finder = _AfterImport()
@@ -73,7 +74,7 @@ def when_imported(path: str, callback: Callable[[ModuleType], None]) -> None:
     if module is not None:
         callback(module)
         return
-    _finder.watched[path] = callback
+    _finder.watched.setdefault(path, []).append(callback)
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
 

@@ -65,3 +65,39 @@ def test_fused_layer_binds_as_python_does(args, kwargs):
 def test_fused_layer_binding_raises_pythons_errors(args, kwargs):
     with pytest.raises(TypeError):
         _binder(inspect.signature(_layer_forward))("self", args, kwargs)
+
+
+LAZY_FAMILY = """
+import sys
+import mindspeed_hf
+assert 'transformers.models.qwen3.modeling_qwen3' not in sys.modules, 'import mindspeed_hf imported qwen3'
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.models.qwen3 import modeling_qwen3
+from mindspeed_hf.patches.engine import PATCHES
+assert PATCHES.is_patched(modeling_qwen3.Qwen3RMSNorm, 'forward'), 'qwen3 not patched at its import'
+torch.manual_seed(0)
+config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+model = Qwen3ForCausalLM(config)
+ids = torch.randint(0, 64, (1, 8))
+ours = model(input_ids=ids, labels=ids).loss
+ran = mindspeed_hf.report(model)['ran']
+mindspeed_hf.disable()
+plain = model(input_ids=ids, labels=ids).loss
+assert abs(ours.item() - plain.item()) < 1e-5, (ours.item(), plain.item())
+assert ran['rms_norm'] > 0 and ran['attention'] > 0, ran
+print('ok')
+"""
+
+
+def test_family_is_patched_when_its_modeling_module_is_imported():
+    """`import mindspeed_hf` imports no family's modeling module (import time); the module the user imports later
+    is patched right after its import, and its model's loss equals the plain one."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MINDSPEED_HF_AUTO": "1", "MINDSPEED_HF_BACKEND": "torch"}
+    done = subprocess.run([sys.executable, "-c", LAZY_FAMILY], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
