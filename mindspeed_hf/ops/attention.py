@@ -28,7 +28,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from ..device import import_torch_npu
 from ..releases import compat
-from . import varlen
+from . import registry, varlen
 from .registry import register, run, select
 
 logger = logging.getLogger("mindspeed_hf")
@@ -52,8 +52,10 @@ _packed_ids: OrderedDict[int, torch.Tensor] = OrderedDict()
 _PACKED_KEEP = 8
 
 
-def warn_fallback_once(reason: str) -> None:
-    """One warning per reason that npu_fusion_attention cannot take a call (the torch path runs instead)."""
+def warn_fallback_once(reason: str, op: str = "attention") -> None:
+    """This call of `op` runs the torch path because npu_fusion_attention cannot take it: counted as a fallback
+    (report()["fallbacks"]), and one warning per reason."""
+    registry.fell_back(op)
     if reason not in _warned:
         _warned.add(reason)
         logger.warning("mindspeed_hf: npu_fusion_attention cannot run %s; using the torch path there.", reason)

@@ -172,6 +172,26 @@ def run(op: str, device: torch.device | str) -> Callable:
     return kernel.fn
 
 
+FALLBACK = "fallback:"  # counter key prefix: calls a device kernel handed to the torch path (FALLBACK + op)
+
+
+def fell_back(op: str) -> None:
+    """The running call of `op`, counted by run() as its kernel's, went to the torch path instead: counted as a
+    fallback of `op` (report()["fallbacks"]), not in report()["ran"]."""
+    counts = _ran.get()
+    if counts is not None:
+        name = _REPORTED_AS.get(op, op)
+        counts[name] = counts.get(name, 0) - 1
+        counts[FALLBACK + name] = counts.get(FALLBACK + name, 0) + 1
+
+
+def split_fallbacks(counts: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """A model's counter as (ran, fallbacks): executions of our kernels per op, and calls that fell back per op."""
+    ran = {op: n for op, n in counts.items() if not op.startswith(FALLBACK)}
+    fallbacks = {op[len(FALLBACK):]: n for op, n in counts.items() if op.startswith(FALLBACK)}
+    return ran, fallbacks
+
+
 def count_into(counts: dict[str, int] | None) -> contextvars.Token | None:
     """Count the kernels that run until `stop_counting(token)` into `counts` (a model's own counter); nothing while
     torch.compile traces."""

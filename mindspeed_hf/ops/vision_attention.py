@@ -75,7 +75,7 @@ def vision_attention_npu(q, k, v, cu_seqlens, scale, dropout=0.0):
     """One TND npu_fusion_attention call over every image (or window) of the batch."""
     reason = _npu_unsupported(q, k, v)
     if reason is not None:
-        warn_fallback_once(reason)
+        warn_fallback_once(reason, "vision_attention")
         return vision_attention_torch(q, k, v, cu_seqlens, scale, dropout)
     ends = segment_ends(cu_seqlens)
     q, k, v = (t.contiguous() for t in (q, k, v))

@@ -107,6 +107,7 @@ def report(model: nn.Module) -> dict[str, Any]:
                 counts["attention"] += compat.attn_implementation(sub.config) in OUR_ATTENTIONS
     token = registry.use_backend(None if config is None or config.backend == "auto" else config.backend)
     try:
+        ran, fallbacks = registry.split_fallbacks(scope.ran(hf_model)) if hf_model is not None else ({}, {})
         return {
             "model_type": family.model_type if family is not None else getattr(getattr(hf_model, "config", None),
                                                                                 "model_type", None),
@@ -120,9 +121,10 @@ def report(model: nn.Module) -> dict[str, Any]:
             config.kernels.skip_logits,
             "kept": kept,
             # what really ran on this model since it was built (or accelerated): executions per op
-            "ran": {**dict.fromkeys((*OPS, *REPORTED_AS, "vision_attention"), 0),
-                    **scope.ran(hf_model)}
+            "ran": {**dict.fromkeys((*OPS, *REPORTED_AS, "vision_attention"), 0), **ran}
             if hf_model is not None else {},
+            # calls a device kernel handed to the torch path (the warning names why): not counted in "ran"
+            "fallbacks": fallbacks,
             "quantized_linear": quantized.describe(model, device),
             **({"vision_kernels": vision, "vision_attention_implementation": registry.implementation(
                 "vision_attention", device)} if family is not None and family.vision_model else {}),

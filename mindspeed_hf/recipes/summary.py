@@ -33,6 +33,8 @@ def applied(report: dict[str, Any]) -> str:
     parts += [f"vision tower: {vision}"] if vision else []
     parts += [f"audio tower: {audio}"] if audio else []
     parts += [f"kept: {kept}"] if kept else []
+    fell_back = _listed(report.get("fallbacks") or {})
+    parts += [f"fell back to the torch path: {fell_back}"] if fell_back else []
     return "; ".join(p for p in parts if p) or "nothing"
 
 

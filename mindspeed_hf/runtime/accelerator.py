@@ -350,6 +350,7 @@ def _check_kernels(accelerator: Any) -> None:
             logger.warning("mindspeed_hf: %s patched into %s but never ran since Accelerator.prepare%s",
                            ", ".join(idle), type(apply.find_hf_model(model)).__name__,
                            _idle_cause(run, model, idle, replaced))
+        watch.say_fallbacks(model, counters, "since Accelerator.prepare")
 
 
 def _idle_cause(run: Run, model: nn.Module, idle: list[str], replaced: dict[str, str]) -> str:

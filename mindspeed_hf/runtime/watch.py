@@ -5,14 +5,17 @@ with the cause where it is known. report()'s `ran` counters are the evidence: wh
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
 
-from ..ops import vocab_parallel
+from ..ops import registry, vocab_parallel
 from ..patches import apply, scope
 
-__all__ = ["idle_kernels", "snapshot"]
+__all__ = ["fallbacks_since", "idle_kernels", "say_fallbacks", "snapshot"]
+
+logger = logging.getLogger("mindspeed_hf")
 
 #: an op and the other counters its executions go to in some runs (the fused loss on a tensor-parallel lm_head runs
 #: as the vocab-parallel loss)
@@ -37,3 +40,18 @@ def idle_kernels(model: nn.Module, before: dict[str, int]) -> tuple[list[str], d
     idle = [op for op in result["kernels"] if op in on
             and all(ran.get(form, 0) == before.get(form, 0) for form in (op, *FORMS.get(op, ())))]
     return idle, replaced
+
+
+def fallbacks_since(model: nn.Module, before: dict[str, int]) -> dict[str, int]:
+    """Calls per op that a device kernel handed to the torch path since `before` (a snapshot)."""
+    _, now = registry.split_fallbacks(snapshot(model) or {})
+    _, then = registry.split_fallbacks(before)
+    return {op: n - then.get(op, 0) for op, n in now.items() if n > then.get(op, 0)}
+
+
+def say_fallbacks(model: nn.Module, before: dict[str, int], span: str) -> None:
+    """One warning naming the calls that fell back to the torch path over `span` (e.g. "train()"), if any."""
+    fell_back = fallbacks_since(model, before)
+    if fell_back:
+        logger.warning("mindspeed_hf: %s, %s fell back to the torch path (the warning before says why)", span,
+                       ", ".join(f"{op} x{n:,}" for op, n in fell_back.items()))

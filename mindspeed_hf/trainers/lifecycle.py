@@ -123,6 +123,7 @@ def _watch_kernels(trainer: Any) -> Iterator[None]:
     if idle:
         logger.warning("mindspeed_hf: %s patched into %s but never ran during train()%s", ", ".join(idle),
                        type(apply.find_hf_model(trainer.model)).__name__, _idle_cause(trainer, idle, replaced))
+    watch.say_fallbacks(trainer.model, before, "during train()")
 
 
 def _idle_cause(trainer: Any, idle: list[str], replaced: dict[str, str]) -> str:
