@@ -11,13 +11,15 @@ from tiny_models import loss_and_grads, padded_batch, tiny_model
 
 import mindspeed_hf
 from mindspeed_hf.config import config_from_dict
+from mindspeed_hf.ops import attention
 from mindspeed_hf.recipes.summary import applied
 from mindspeed_hf.runtime import watch
 
 HEAD_DIM = 800  # above npu_fusion_attention's 768: every attention call goes to the torch path on the npu backend
 
 
-def test_attention_fallback_is_counted_apart_and_loss_equals_plain(caplog):
+def test_attention_fallback_is_counted_apart_and_loss_equals_plain(caplog, monkeypatch):
+    monkeypatch.setattr(attention, "_warned", set())  # one warning per reason and process: this test's own
     overrides = dict(head_dim=HEAD_DIM, num_attention_heads=2, num_key_value_heads=1)
     plain = tiny_model("qwen3", **overrides)
     batch = padded_batch()
