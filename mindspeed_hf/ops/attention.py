@@ -52,9 +52,9 @@ _packed_ids: OrderedDict[int, torch.Tensor] = OrderedDict()
 _PACKED_KEEP = 8
 
 
-def warn_fallback_once(reason: str, op: str = "attention") -> None:
-    """This call of `op` runs the torch path because npu_fusion_attention cannot take it: counted as a fallback
-    (report()["fallbacks"]), and one warning per reason."""
+def fall_back(reason: str, op: str = "attention") -> None:
+    """This call of `op` runs the torch path because npu_fusion_attention cannot take it (`reason`): counted as a
+    fallback (report()["fallbacks"]), and one warning per reason."""
     registry.fell_back(op)
     if reason not in _warned:
         _warned.add(reason)
@@ -242,7 +242,7 @@ def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scalin
         elif sliding_window is not None and sliding_window < query.shape[2] and not info.contiguous:
             reason = "a sliding window over padding with holes"
     if reason is not None:
-        warn_fallback_once(reason)
+        fall_back(reason)
         if blocks is not None:  # the caller's own 4-D mask, as given
             mask = attention_mask
         elif mask is None or mask.dim() == 2:  # compact (ours): the SDPA mask it stands for

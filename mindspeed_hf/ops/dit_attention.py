@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..device import import_torch_npu
-from .attention import warn_fallback_once
+from .attention import fall_back
 from .registry import register, run
 
 _NPU_MAX_HEAD_DIM = 768
@@ -105,7 +105,7 @@ def dit_attention_npu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """One npu_fusion_attention call (see the module docstring)."""
     reason = _npu_unsupported(query, key, value, layout, attn_mask, is_causal)
     if reason is not None:
-        warn_fallback_once(reason, "dit_attention")
+        fall_back(reason, "dit_attention")
         return dit_attention_torch(query, key, value, layout, attn_mask, dropout_p, scale, is_causal)
     out_layout = layout
     if layout == "BNSD" and all(t.transpose(1, 2).is_contiguous() for t in (query, key, value)):

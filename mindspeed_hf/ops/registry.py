@@ -143,15 +143,19 @@ def _choose(op: str, requested: str, device: str) -> Kernel:
     return kernel
 
 
-def select(op: str, device: torch.device | str) -> Kernel:
-    """The kernel that runs `op` for tensors on `device` (the torch reference when the backend has none). Chosen
-    once per (op, requested backend, device type); availability is checked then (the checks are cached anyway)."""
-    requested = requested_backend()
+def _chosen(op: str, requested: str, device: torch.device | str) -> Kernel:
+    """The kernel for (op, requested backend, device type), chosen once and kept (availability checked then)."""
     key = (op, requested, device if isinstance(device, str) else device.type)
     kernel = _CHOSEN.get(key)
     if kernel is None:
         kernel = _CHOSEN[key] = _choose(op, requested, key[2])
     return kernel
+
+
+def select(op: str, device: torch.device | str) -> Kernel:
+    """The kernel that runs `op` for tensors on `device` (the torch reference when the backend has none). Chosen
+    once per (op, requested backend, device type)."""
+    return _chosen(op, requested_backend(), device)
 
 
 def run(op: str, device: torch.device | str) -> Callable:
@@ -160,11 +164,8 @@ def run(op: str, device: torch.device | str) -> Callable:
     one compile check, two context-variable reads, one dict look-up."""
     if torch.compiler.is_compiling():  # a compiled graph runs no Python to count
         return select(op, device).fn
-    requested = _running_backend.get() or _backend["requested"] or requested_backend()
-    key = (op, requested, device if isinstance(device, str) else device.type)
-    kernel = _CHOSEN.get(key)
-    if kernel is None:
-        kernel = _CHOSEN[key] = _choose(op, requested, key[2])
+    # requested_backend() without its compile check (done above) and its first-use environment read
+    kernel = _chosen(op, _running_backend.get() or _backend["requested"] or requested_backend(), device)
     counts = _ran.get()
     if counts is not None:
         name = _REPORTED_AS.get(op, op)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..device import import_torch_npu
 from . import varlen
-from .attention import warn_fallback_once
+from .attention import fall_back
 from .registry import register, run
 
 _NPU_MAX_HEAD_DIM = 768
@@ -75,7 +75,7 @@ def vision_attention_npu(q, k, v, cu_seqlens, scale, dropout=0.0):
     """One TND npu_fusion_attention call over every image (or window) of the batch."""
     reason = _npu_unsupported(q, k, v)
     if reason is not None:
-        warn_fallback_once(reason, "vision_attention")
+        fall_back(reason, "vision_attention")
         return vision_attention_torch(q, k, v, cu_seqlens, scale, dropout)
     ends = segment_ends(cu_seqlens)
     q, k, v = (t.contiguous() for t in (q, k, v))

@@ -69,7 +69,9 @@ _finder = _AfterImport()
 
 def when_imported(path: str, callback: Callable[[ModuleType], None]) -> None:
     """`callback(module)` once the module at `path` is imported: now if it already is, else right after its import
-    (never imports it). Undone by `stop_watching()`."""
+    (never imports it; several callbacks per module run in the order given). Also how transformers' own families
+    are patched: at their modeling module's import, so `import mindspeed_hf` imports none. Undone by
+    `stop_watching()`."""
     module = imported_module(path)
     if module is not None:
         callback(module)

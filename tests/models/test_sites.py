@@ -3,10 +3,12 @@ attribute enable() patches on a transformers family is one site's or the model w
 check, post_init), no two sites patch the same attribute, and every switched site runs under an op report() knows
 (sites.OPS counted, sites.REPORTED_AS listed)."""
 
+import importlib
 import inspect
 
 from mindspeed_hf.patches import apply, experts
 from mindspeed_hf.patches.engine import PATCHES
+from mindspeed_hf.patches.families import FAMILIES
 from mindspeed_hf.patches.sites import OPS, REPORTED_AS, SITES
 
 # apply._patch_family's model-class wiring, outside the table (not a kernel)
@@ -15,8 +17,20 @@ WIRING = {"get_correct_attn_implementation", "_check_and_adjust_attn_implementat
 NOT_KERNELS = {"packed_documents"}
 
 
+def _import_every_family() -> None:
+    """Every transformers family's modeling module this release has: enable() patches a family when its module is
+    imported, so the record below must not depend on which modules earlier tests imported."""
+    for family in FAMILIES.values():
+        if not family.modeling:
+            try:
+                importlib.import_module(family.modeling_module)
+            except ImportError:  # a family this release lacks
+                pass
+
+
 def _record(monkeypatch, sites: tuple) -> dict:
     """{(id(owner), name): patch} that enable() leaves with only `sites` in the table."""
+    _import_every_family()
     apply.disable()
     monkeypatch.setattr(apply, "SITES", sites)
     apply.enable()
