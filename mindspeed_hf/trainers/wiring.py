@@ -104,13 +104,19 @@ def _reads_only_the_loss(trainer: Any, model: Any, return_outputs: bool) -> bool
         return False
     if getattr(trainer.args, "past_index", -1) >= 0:
         return False
+    known = trainer.__dict__.get("_mindspeed_loss_only_model")
+    if known is not None and known[0] is model:  # decided once per model: unwrap_model reads package metadata
+        return known[1]
     from transformers import PreTrainedModel
 
     inner = trainer.accelerator.unwrap_model(model) if getattr(trainer, "accelerator", None) else model
     peft_config = getattr(inner, "active_peft_config", None)
     if peft_config is not None:
-        return not getattr(peft_config, "is_prompt_learning", False)
-    return isinstance(inner, PreTrainedModel)
+        answer = not getattr(peft_config, "is_prompt_learning", False)
+    else:
+        answer = isinstance(inner, PreTrainedModel)
+    trainer.__dict__["_mindspeed_loss_only_model"] = (model, answer)
+    return answer
 
 
 def _split_for_cp(bound: inspect.BoundArguments) -> None:
