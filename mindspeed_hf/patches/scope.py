@@ -198,20 +198,20 @@ def switch(op: str, fast: Callable, original: Callable, model_forward: bool = Fa
     past the model's hooks (PEFT 0.17-0.18's tuner calls `model.forward(...)`): the model's config and counter then
     apply all the same. The kernels' own sites (norms, MLPs, rope) do not pay for that check."""
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return (fast if kernel_on(op) else original)(*args, **kwargs)
+    def run(*args: Any, **kwargs: Any) -> Any:  # the hot path: one frame, kernel_on inlined
+        return (fast if getattr(current().kernels, op) else original)(*args, **kwargs)
 
     @functools.wraps(original)
     def dispatch(*args: Any, **kwargs: Any) -> Any:
-        if model_forward:
-            owner = vars(args[0])
-            if "_mindspeed_ran" in owner and not owner.get("_mindspeed_tokens"):
-                with _inside(args[0], owner.get("_mindspeed_config")):
-                    return run(*args, **kwargs)
+        owner = vars(args[0])
+        if "_mindspeed_ran" in owner and not owner.get("_mindspeed_tokens"):
+            with _inside(args[0], owner.get("_mindspeed_config")):
+                return run(*args, **kwargs)
         return run(*args, **kwargs)
 
-    dispatch._mindspeed_op = op
-    return dispatch
+    chosen = functools.wraps(original)(run) if not model_forward else dispatch
+    chosen._mindspeed_op = op
+    return chosen
 
 
 @contextlib.contextmanager
