@@ -201,6 +201,11 @@ def switch(op: str, fast: Callable, original: Callable, model_forward: bool = Fa
     def run(*args: Any, **kwargs: Any) -> Any:  # the hot path: one frame, kernel_on inlined
         return (fast if getattr(current().kernels, op) else original)(*args, **kwargs)
 
+    if not model_forward:
+        run = functools.wraps(original)(run)
+        run._mindspeed_op = op
+        return run
+
     @functools.wraps(original)
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         owner = vars(args[0])
@@ -209,9 +214,8 @@ def switch(op: str, fast: Callable, original: Callable, model_forward: bool = Fa
                 return run(*args, **kwargs)
         return run(*args, **kwargs)
 
-    chosen = functools.wraps(original)(run) if not model_forward else dispatch
-    chosen._mindspeed_op = op
-    return chosen
+    dispatch._mindspeed_op = op
+    return dispatch
 
 
 @contextlib.contextmanager

@@ -104,19 +104,23 @@ def _reads_only_the_loss(trainer: Any, model: Any, return_outputs: bool) -> bool
         return False
     if getattr(trainer.args, "past_index", -1) >= 0:
         return False
-    known = trainer.__dict__.get("_mindspeed_loss_only_model")
-    if known is not None and known[0] is model:  # decided once per model: unwrap_model reads package metadata
-        return known[1]
     from transformers import PreTrainedModel
 
-    inner = trainer.accelerator.unwrap_model(model) if getattr(trainer, "accelerator", None) else model
-    peft_config = getattr(inner, "active_peft_config", None)
+    inner = _unwrapped(trainer, model)
+    peft_config = getattr(inner, "active_peft_config", None)  # read per call: the active adapter may change
     if peft_config is not None:
-        answer = not getattr(peft_config, "is_prompt_learning", False)
-    else:
-        answer = isinstance(inner, PreTrainedModel)
-    trainer.__dict__["_mindspeed_loss_only_model"] = (model, answer)
-    return answer
+        return not getattr(peft_config, "is_prompt_learning", False)
+    return isinstance(inner, PreTrainedModel)
+
+
+def _unwrapped(trainer: Any, model: Any) -> Any:
+    """accelerate's unwrap_model of `model`, once per model object: it reads package metadata on every call
+    (is_deepspeed_available), which cost a tenth of a small model's training step."""
+    known = trainer.__dict__.get("_mindspeed_unwrapped")
+    if known is None or known[0] is not model:
+        inner = trainer.accelerator.unwrap_model(model) if getattr(trainer, "accelerator", None) else model
+        known = trainer.__dict__["_mindspeed_unwrapped"] = (model, inner)
+    return known[1]
 
 
 def _split_for_cp(bound: inspect.BoundArguments) -> None:
