@@ -28,6 +28,7 @@ MIN_PAIRS = 3  # fewer pairs give no spread worth judging: no verdict
 #: figure -> (metrics key, better when larger, format)
 FIGURES = {"tokens/s, median step": ("step_tokens_per_s", True, ",.0f"),
            "step time (ms), median step": ("step_time_ms", False, ".1f"),
+           "host CPU time per step (ms), median step": ("step_host_ms", False, ".1f"),
            "tokens/s": ("tokens_per_s", True, ",.0f"), "train runtime (s)": ("train_runtime_s", False, ".2f"),
            "peak memory (MiB)": ("peak_memory_bytes", False, ",.0f")}
 
@@ -114,7 +115,14 @@ def compare(bases: list[dict[str, Any]], fasts: list[dict[str, Any]]) -> str:
     shown = [i for i in range(len(steps)) if i % stride == stride - 1 or i == len(steps) - 1]
     lines += [f"| {steps[i]} | {base['losses'][steps[i]]:.6f} | {fast['losses'][steps[i]]:.6f} | {diffs[i]:.2e} |"
               for i in shown]
+    if fast.get("device") == "cpu" and (fast.get("report") or {}).get("backend") == "torch":
+        lines += ["", CPU_NOTE]
     return "\n".join(lines)
+
+
+CPU_NOTE = ("On a CPU the accelerated side runs the torch path, the correctness reference: it computes what plain "
+            "HF computes, and no speed-up is expected from it. Its host time per step is what the accelerator's "
+            "own Python costs; on an NPU or a GPU that cost sits between kernel launches.")
 
 
 #: per-step proxy -> (counts key, scale, format); see bench_counts

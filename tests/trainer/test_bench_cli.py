@@ -13,6 +13,7 @@ from child_runs import REPO
 from conftest import cli
 
 from mindspeed_hf.bench import plot as bench_plot
+from mindspeed_hf.bench import run as bench_run
 
 STANDIN = REPO / "tests" / "npu_standin"
 
@@ -63,6 +64,21 @@ def test_bench_runs_interleaved_pairs(npu_bench):
         assert float(line.split("|")[4]) <= 1e-5, line
     worst = next(line for line in out.splitlines() if line.startswith("| max per-step loss diff"))
     assert float(worst.split("|")[3]) <= 1e-5, worst
+    host = _row(out, "host CPU time per step (ms), median step")
+    assert float(host[1]) > 0 and float(host[2]) > 0 and host[3].endswith("x"), host
+    assert bench_run.CPU_NOTE not in out  # the npu path (stand-in) is not the torch reference
+
+
+def test_cpu_note_only_for_the_torch_path():
+    """On CPU with the torch backend the table says the torch path is the correctness reference; not otherwise."""
+    def side(backend, host_ms):
+        return {"device": "cpu", "model_type": "qwen3", "losses": {"1": 1.0}, "step_host_ms": host_ms,
+                "report": {"backend": backend}}
+
+    torch_side = bench_run.compare([side("torch", 10.0)], [side("torch", 12.0)])
+    assert bench_run.CPU_NOTE in torch_side
+    assert _row(torch_side, "host CPU time per step (ms), median step")[1:4] == ["10.0", "12.0", "1.20x"]
+    assert bench_run.CPU_NOTE not in bench_run.compare([side("npu", 10.0)], [side("npu", 10.0)])
 
 
 def test_bench_profile_writes_a_loadable_trace_and_top_ops(npu_bench):
