@@ -26,16 +26,16 @@ class StepTimes(TrainerCallback):
     on a CPU it is the step's whole cost."""
 
     def __init__(self) -> None:
-        self.steps: list[tuple[float, int]] = []
-        self.host: list[float] = []
+        self.steps: list[tuple[float, float, int]] = []  # (wall s, host s, input tokens) per step
         self._start: tuple[float, float, int] = (0.0, 0.0, 0)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._start = (time.perf_counter(), time.process_time(), state.num_input_tokens_seen)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.steps.append((time.perf_counter() - self._start[0], state.num_input_tokens_seen - self._start[2]))
-        self.host.append(time.process_time() - self._start[1])
+        wall, host, tokens = self._start
+        self.steps.append((time.perf_counter() - wall, time.process_time() - host,
+                           state.num_input_tokens_seen - tokens))
 
     def summary(self) -> dict[str, Any]:
         """Median step time and host time (ms) and median per-step tokens/s, the first step (one-time costs) left
@@ -43,11 +43,11 @@ class StepTimes(TrainerCallback):
         steady = self.steps[1:] or self.steps
         if not steady:
             return {}
-        return {"step_times_s": [t for t, _ in self.steps],
-                "step_time_ms": 1000 * statistics.median(t for t, _ in steady),
-                "step_host_ms": 1000 * statistics.median(self.host[1:] or self.host),
-                "step_tokens_per_s": statistics.median(n / t for t, n in steady if t > 0) if any(
-                    n for _, n in steady) else None}
+        return {"step_times_s": [t for t, _, _ in self.steps],
+                "step_time_ms": 1000 * statistics.median(t for t, _, _ in steady),
+                "step_host_ms": 1000 * statistics.median(h for _, h, _ in steady),
+                "step_tokens_per_s": statistics.median(n / t for t, _, n in steady if t > 0) if any(
+                    n for _, _, n in steady) else None}
 
 
 def timed_run(config: str | None, overrides: list[str], out: str) -> dict[str, Any]:
