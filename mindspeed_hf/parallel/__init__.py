@@ -40,6 +40,7 @@ from .dims import (
     expert_mesh,
     fsdp_mesh,
     init_distributed,
+    quiesce_gloo_at_exit,
 )
 from .expert import (
     apply_expert_parallel,
@@ -89,6 +90,7 @@ __all__ = [
     "get_fsdp_parts",
     "init_distributed",
     "init_nonpersistent_buffers",
+    "quiesce_gloo_at_exit",
     "is_complete_checkpoint",
     "latest_complete_checkpoint",
     "load_sharded",

@@ -42,6 +42,7 @@ __all__ = [
     "expert_mesh",
     "fsdp_mesh",
     "init_distributed",
+    "quiesce_gloo_at_exit",
 ]
 
 #: the world mesh's dimensions, outermost first, from the one table of axes (config/axes.py AXES)
@@ -69,7 +70,7 @@ def init_distributed(
         device = torch.device(device_type, local_rank)
     else:
         device = torch.device("cpu")
-    _quiesce_at_exit()
+    quiesce_gloo_at_exit()
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             os.environ.setdefault("RANK", "0")
@@ -88,8 +89,10 @@ def init_distributed(
 
 
 @functools.cache
-def _quiesce_at_exit() -> None:
-    """At exit, wait (briefly, locally) until the gloo worker threads are idle, whoever created the group.
+def quiesce_gloo_at_exit() -> None:
+    """At exit, wait (briefly, locally) until the gloo worker threads are idle, whoever created the group and
+    however the run was launched (registered by init_distributed and by mindspeed_hf.enable(): Trainer's DDP and
+    DeepSpeed start their groups without us). Without gloo workers the wait ends after a few polls.
 
     Our meshes add gloo groups, and DTensor's sharding caches keep them (and their worker threads) alive into
     interpreter finalisation. A worker drops a finished collective's tensors only after the waiter has moved on;
@@ -103,7 +106,7 @@ def _quiesce_at_exit() -> None:
 @functools.cache
 def _destroy_at_exit() -> None:
     """Shut down, at exit, the default process group init_distributed started (scripts rarely call
-    destroy_process_group). Registered after _quiesce_at_exit, so it runs before the wait."""
+    destroy_process_group). Registered after quiesce_gloo_at_exit, so it runs before the wait."""
 
     def destroy() -> None:
         if dist.is_available() and dist.is_initialized():
@@ -125,9 +128,11 @@ def _gloo_worker_states() -> list[str]:
     return states
 
 
-def _wait_for_idle_gloo_workers(limit_s: float = 2.0) -> None:
+def _wait_for_idle_gloo_workers(limit_s: float = 2.0, idle_needed: int = 5) -> None:
+    """Until no gloo worker has been runnable for `idle_needed` polls in a row (a worker that wanted the GIL got
+    it during the sleeps before), at most `limit_s`."""
     deadline, idle_polls = time.monotonic() + limit_s, 0
-    while idle_polls < 2 and time.monotonic() < deadline:
+    while idle_polls < idle_needed and time.monotonic() < deadline:
         time.sleep(0.002)  # releases the GIL: a worker waiting for it finishes its release now
         idle_polls = 0 if "R" in _gloo_worker_states() else idle_polls + 1
 

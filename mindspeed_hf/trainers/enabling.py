@@ -9,6 +9,7 @@ point leaves every transformers symbol as it was before the call.
 from __future__ import annotations
 
 from ..config import MindSpeedConfig
+from ..parallel import quiesce_gloo_at_exit
 from ..patches import apply
 from ..releases import seams
 from ..runtime import install_accelerator_wiring, uninstall_accelerator_wiring
@@ -33,6 +34,7 @@ def enable(config: MindSpeedConfig | None = None) -> None:
     if problem is not None:
         raise UnsupportedReleaseError(problem)
     apply.enable(config)
+    quiesce_gloo_at_exit()  # Trainer's DDP, DeepSpeed and accelerate start gloo groups without init_distributed
     try:
         install_accelerator_wiring()
         wiring.install_trainer_wiring()

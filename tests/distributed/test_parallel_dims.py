@@ -158,3 +158,22 @@ def test_a_group_we_did_not_create_is_left_alone_at_exit(tmp_path):
                                   "init_distributed('cpu')\n"
                                   "dist.all_reduce(torch.ones(3))\n")
     assert "initialized at the end: True" in proc.stdout, proc.stdout
+
+
+def test_enable_registers_the_exit_wait_for_groups_started_without_us(monkeypatch):
+    """Trainer's DDP and DeepSpeed start their gloo groups themselves (no init_distributed): enable() registers the
+    exit wait for idle gloo workers all the same (a worker left dropping a collective's tensors during finalisation
+    aborted finished DDP and DeepSpeed ranks in CI)."""
+    import mindspeed_hf
+    from mindspeed_hf.parallel import dims
+
+    registered = []
+    monkeypatch.setattr(dims.atexit, "register", registered.append)
+    dims.quiesce_gloo_at_exit.cache_clear()
+    was_enabled = mindspeed_hf.is_enabled()
+    try:
+        mindspeed_hf.enable()
+    finally:
+        if not was_enabled:
+            mindspeed_hf.disable()
+    assert dims._wait_for_idle_gloo_workers in registered, registered
