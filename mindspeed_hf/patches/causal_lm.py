@@ -45,7 +45,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from ..ops import registry
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from ..releases import compat
 from . import lazy_logits, scope
@@ -96,33 +95,14 @@ def logits_plan(model: torch.nn.Module, lm_head: torch.nn.Module, labels: torch.
     no logits) or "defer" (the fused loss, logits made on first read: lazy_logits). An explicit `skip_logits`
     argument decides, except under `never`; otherwise `always` skips every training forward with labels, `auto`
     those inside a window where nothing can read the logits (scope.logits_unread: Trainer's own loss computation),
-    and any other forward with labels defers them where the lm_head allows it. Under `auto` a head that the torch
-    backend would not gain from keeps HF's path (`hf_loss_kept`)."""
+    and any other forward with labels defers them where the lm_head allows it."""
     if labels is None or mode == "never" or not _uses_hf_causal_loss(model):
         return "full"
     if skip_logits is not None:
         return "skip" if skip_logits else "full"
-    if mode == "auto" and hf_loss_kept(lm_head) is not None:
-        return "full"
     if model.training and (mode == "always" or scope.logits_unread()):
         return "skip"
     return "defer" if lazy_logits.can_defer(lm_head) else "full"
-
-
-def hf_loss_kept(lm_head: torch.nn.Module) -> str | None:
-    """Why HF's own loss runs instead of the fused one under kernels.skip_logits=auto (None: the fused loss runs).
-    On the torch backend (the CPU correctness reference) a head whose vocabulary is no larger than its hidden size
-    keeps HF's path: its [tokens, vocab] logits are no larger than the [tokens, hidden] states the model holds
-    anyway, so chunking saves no memory, while its per-chunk Python costs host time. The device backends keep
-    their fused kernels."""
-    weight = getattr(lm_head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:  # e.g. a ZeRO-3 partition: shape [0]
-        return None
-    vocab, hidden = weight.shape
-    if vocab > hidden or registry.resolve_backend(weight.device) != "torch":
-        return None
-    return (f"HF's loss: vocabulary {vocab} <= hidden size {hidden} on the torch backend (the logits are no larger "
-            "than the hidden states: the chunked loss would save no memory and cost time)")
 
 
 def tuple_requested(signature: inspect.Signature, arguments: dict, config) -> bool:

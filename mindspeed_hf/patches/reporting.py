@@ -14,7 +14,6 @@ from ..ops import registry
 from ..ops.attention import OUR_ATTENTIONS
 from ..releases import compat
 from . import experts, multimodal, quantized, scope, third_party
-from .causal_lm import hf_loss_kept
 from .engine import FUSED_LAYERS, PATCHES
 from .families import FAMILIES, ModelFamily, family_for
 from .sites import OPS, REPORTED_AS
@@ -109,10 +108,6 @@ def report(model: nn.Module) -> dict[str, Any]:
     token = registry.use_backend(None if config is None or config.backend == "auto" else config.backend)
     try:
         ran, fallbacks = registry.split_fallbacks(scope.ran(hf_model)) if hf_model is not None else ({}, {})
-        head = hf_model.get_output_embeddings() if counts["fused_linear_cross_entropy"] else None
-        reason = hf_loss_kept(head) if head is not None and config.kernels.skip_logits == "auto" else None
-        if reason is not None:  # the forward takes HF's path (causal_lm.logits_plan): nothing fused to expect
-            counts["fused_linear_cross_entropy"], kept["fused_linear_cross_entropy"] = 0, reason
         return {
             "model_type": family.model_type if family is not None else getattr(getattr(hf_model, "config", None),
                                                                                 "model_type", None),

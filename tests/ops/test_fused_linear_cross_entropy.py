@@ -263,3 +263,29 @@ def test_fsdp2_sharded_lm_head_is_called_per_chunk():
         torch.testing.assert_close(head.weight.grad.full_tensor(), ref_grads[1], **TOL)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("with_items", [False, True])
+def test_small_block_on_the_torch_path_is_hf_exactly(backend, with_items, monkeypatch):
+    """The torch path with the default chunk size computes a forward of at most SMALL_BLOCK_ELEMENTS logits as one
+    block with autograd's ops: HF's loss and gradients bit for bit. A larger forward, an explicit chunk size and the
+    npu path run the chunked Function."""
+    chunked = []
+    apply = flce_mod._ChunkedLinearCE.apply
+    monkeypatch.setattr(flce_mod._ChunkedLinearCE, "apply", lambda *a: chunked.append(1) or apply(*a))
+    head, hidden, labels = _head(), _hidden(), _labels()
+    items = {"num_items_in_batch": torch.tensor(71)} if with_items else {}
+    params = [hidden, head.weight]
+    assert B * S * V <= flce_mod.SMALL_BLOCK_ELEMENTS
+    ref = _hf_loss(hidden, head, labels, **items)
+    out = fused_linear_cross_entropy(hidden, head, labels, **items)
+    if backend == "torch":
+        assert not chunked and torch.equal(out, ref)
+        assert all(torch.equal(a, e) for a, e in zip(_grads(out, params), _grads(ref, params)))
+    else:
+        assert chunked == [1]
+        torch.testing.assert_close(out, ref, **TOL)
+    fused_linear_cross_entropy(hidden, head, labels, chunk_size=CHUNK, **items)
+    monkeypatch.setattr(flce_mod, "SMALL_BLOCK_ELEMENTS", B * S * V - 1)
+    torch.testing.assert_close(fused_linear_cross_entropy(hidden, head, labels, **items), ref, **TOL)
+    assert len(chunked) == (2 if backend == "torch" else 3)  # the explicit chunk size and the larger forward chunk

@@ -36,20 +36,10 @@ def _same_losses(script: str, tmp_path, *extra: str) -> tuple[dict, dict]:
 def test_same_losses_with_and_without_accelerator(script, tmp_path):
     _, fast = _same_losses(script, tmp_path)
     assert fast["enabled"]
-    report = fast["report"]
-    kernels = report["kernels"]
-    for op in KERNELS[:-1]:
-        assert kernels[op] > 0, f"{op} not applied in {script}: {report}"
+    kernels = fast["report"]["kernels"]
+    for op in KERNELS:
+        assert kernels[op] > 0, f"{op} not applied in {script}: {fast['report']}"
     assert kernels["rms_norm"] == 17  # 4 layers x (input, post-attention, q_norm, k_norm) + final norm
-    _assert_hf_loss_kept(report, "vocabulary 27 <= hidden size 128")
-
-
-def _assert_hf_loss_kept(report: dict, why: str) -> None:
-    """The examples' tiny vocabularies on the CPU reference path: HF's loss ran, and report()["kept"] says why (the
-    fused loss on the examples' models: the npu-path tests, tests/trainer/test_trainer_configs.py)."""
-    op = "fused_linear_cross_entropy"
-    assert report["backend"] == "torch" and report["kernels"][op] == report["ran"][op] == 0, report
-    assert why in report["kept"][op], report
 
 
 def _vl_forward_takes_mm_token_types() -> bool:
@@ -68,9 +58,8 @@ def test_vlm_example_same_losses_with_and_without_accelerator(trainer, tmp_path)
     assert fast["enabled"] and fast["report"]["model_type"] == "qwen2_5_vl"
     applied = {**fast["report"]["kernels"], **{f"vision {k}": n for k, n in
                                                fast["report"].get("vision_kernels", {}).items()}}
-    for op in (*KERNELS[:-1], *(k for k in applied if k.startswith("vision "))):
+    for op in (*KERNELS, *(k for k in applied if k.startswith("vision "))):
         assert applied[op] > 0, f"{op} not applied to the VLM: {fast['report']}"
-    _assert_hf_loss_kept(fast["report"], "vocabulary 23 <= hidden size 96")
 
 
 @pytest.mark.skipif(not _vl_forward_takes_mm_token_types(),
@@ -81,7 +70,6 @@ def test_omni_thinker_example_same_losses_with_and_without_accelerator(tmp_path)
     _, fast = _same_losses("omni/sft_omni_thinker.py", tmp_path)
     report = fast["report"]
     assert fast["enabled"] and report["model_type"] == "qwen2_5_omni_thinker"
-    for op in KERNELS[:-1]:
+    for op in KERNELS:
         assert report["kernels"][op] > 0, f"{op} not applied to the thinker: {report}"
-    _assert_hf_loss_kept(report, "<= hidden size")
     assert report["vision_kernels"]["attention"] > 0 and report["audio_kernels"]["attention"] > 0, report
