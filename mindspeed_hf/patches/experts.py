@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..ops import registry
 from ..ops.experts import experts_mlp
 from ..releases import compat
 from . import forwards, scope
@@ -85,12 +86,24 @@ def fits(module: nn.Module) -> bool:
     return _layout(module) is not None
 
 
+HF_GROUPED = ("HF's grouped_mm on the torch backend: transformers' default experts implementation runs the same "
+              "torch._grouped_mm over the permuted rows as our torch kernel, with less Python around it")
+
+
+def hf_runs_them(backend: str) -> bool:
+    """Whether HF's own default experts implementation runs instead of ours on `backend` (the resolved one): on the
+    torch backend (the CPU reference), where transformers' default is `grouped_mm`, the algorithm of our torch
+    kernel. The device backends keep their kernels."""
+    found = compat.experts_registry()
+    return backend == "torch" and found is not None and found.default_name == "grouped_mm"
+
+
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts forward (HF's signature): permute -> grouped gate_up -> gate -> grouped down -> weighted
-    unpermute, on the backend's kernels (ops/experts.py)."""
+    unpermute, on the backend's kernels (ops/experts.py); HF's default where `hf_runs_them`."""
     layout = _layout(self)
-    if layout is None:
+    if layout is None or hf_runs_them(registry.resolve_backend(hidden_states.device)):
         return compat.experts_registry().default(self, hidden_states, top_k_index, top_k_weights)
     out = experts_mlp(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, gate_of(self),
                       **layout)

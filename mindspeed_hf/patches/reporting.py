@@ -108,6 +108,8 @@ def report(model: nn.Module) -> dict[str, Any]:
     token = registry.use_backend(None if config is None or config.backend == "auto" else config.backend)
     try:
         ran, fallbacks = registry.split_fallbacks(scope.ran(hf_model)) if hf_model is not None else ({}, {})
+        if counts["experts"] and experts.hf_runs_them(registry.resolve_backend(device)):
+            counts["experts"], kept["experts"] = 0, experts.HF_GROUPED
         return {
             "model_type": family.model_type if family is not None else getattr(getattr(hf_model, "config", None),
                                                                                 "model_type", None),

@@ -249,6 +249,7 @@ def scenario_two() -> dict:
         "llama_no_sp": case("llama", sequence_parallel=False),
         "padded_odd": case("llama", seq=13, mask=True),  # uneven sequence shards (7 + 6), a padding mask
         "npu": case("qwen3", backend="npu"),
+        "qwen3_moe_npu": case("qwen3_moe", backend="npu"),  # our experts kernel on the local shards (torch: HF's)
         "vocab_parallel": vocab_parallel(),
         "errors": errors(),
     }
