@@ -81,7 +81,8 @@ def test_kernels_ran_on_local_shards(two, case):
     r = two[case]
     assert r["attention"] == "mindspeed" and r["backend"] == ("npu" if case.endswith("npu") else "torch")
     for ran in r["ran_per_rank"]:  # 3 steps x (2 layers, or 1 loss): every kernel ran on every rank
-        assert all(ran[k] >= 3 for k in KERNELS), ran
+        # qwen3_moe's MLPs are all experts: its swiglu runs inside the experts kernel (npu) or HF's grouped_mm (torch)
+        assert all(ran[k] >= 3 for k in KERNELS if not (k == "swiglu" and case == "qwen3_moe")), ran
         # the experts kernel on the npu path; the torch backend runs transformers' own grouped_mm (same algorithm)
         assert ran["experts"] == (6 if case == "qwen3_moe_npu" else 0), ran
         # every loss scored on the rank's vocab slice (ops/vocab_parallel.py), the [chunk, vocab] logits never gathered
