@@ -68,14 +68,6 @@ HYBRID_CONFIGS: dict[str, dict] = {
 }
 
 
-def experts_ours(backend: str) -> bool:
-    """Whether the experts kernel runs on `backend` ("torch" / "npu"); on the torch backend transformers' own
-    grouped_mm runs instead (patches/experts.py `hf_runs_them`), where the release has it."""
-    from mindspeed_hf.patches import experts
-
-    return not experts.hf_runs_them(backend)
-
-
 def tiny_config(model_type: str, **overrides):
     kwargs = {**_COMMON, **{**FAMILY_CONFIGS, **HYBRID_CONFIGS}[model_type], **overrides}
     return AutoConfig.for_model(model_type, **kwargs)

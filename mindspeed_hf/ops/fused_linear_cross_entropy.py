@@ -28,6 +28,7 @@ chosen from what `lm_head_or_weight` is:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable
 
@@ -53,7 +54,7 @@ _DEFAULT_BLOCK_ELEMENTS = 512 * 151936
 _MIN_ROWS, _MAX_ROWS = 64, 8192
 
 
-# The torch path (the CPU reference) with the default chunk size computes a forward whose valid logits hold at most
+# The torch path (the CPU reference) with the default chunk size computes a forward whose logits hold at most
 # this many elements (4 MiB in fp32) as one block with autograd's own ops: on the tiny models of the tests and
 # examples the chunked Function's fixed cost was 5% of a training step (Llama, hidden 64, 256 tokens, vocabulary
 # 128: 6.13 against 5.82 ms), and no more than this block's memory is at stake. The device backends always chunk.
@@ -174,11 +175,13 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------------ module path
-def _module_chunk_loss(module: nn.Module, h: torch.Tensor, t: torch.Tensor, softcap: float | None) -> torch.Tensor:
+def _module_chunk_loss(module: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, t: torch.Tensor,
+                       softcap: float | None, ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
+    """Cross-entropy of rows `h` through `module` (the head, or F.linear bound to its weight) with autograd's ops."""
     logits = module(h)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits.float(), t, reduction="sum")
+    return F.cross_entropy(logits.float(), t, ignore_index=ignore_index, reduction=reduction)
 
 
 def _agreed_chunk_count(n_chunks: int, device: torch.device) -> int:
@@ -313,12 +316,10 @@ def _one_block_loss(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                     softcap: float | None) -> torch.Tensor:
     """The loss of a small forward in one block with autograd's own ops, in HF's arithmetic: the mean over valid
     rows, or their sum divided by `num_items_in_batch`."""
-    logits = F.linear(flat, weight, bias)
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
+    project = functools.partial(F.linear, weight=weight, bias=bias)
     if num_items_in_batch is None:
-        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index)
-    total = F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="sum")
+        return _module_chunk_loss(project, flat, target, softcap, ignore_index, reduction="mean")
+    total = _module_chunk_loss(project, flat, target, softcap, ignore_index)
     return total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
 
 
@@ -350,6 +351,7 @@ def fused_linear_cross_entropy(
     hdim = hidden.shape[-1]
     flat = hidden.reshape(-1, hdim)
     target = _targets(labels, shift_labels, ignore_index, flat.shape[0], flat.device)
+    softcap = None if not softcap else float(softcap)
     path = _resolve_head(lm_head_or_weight)
     kernel: Callable = run(OP, flat.device)  # counted once per loss, whichever path computes it
     if path[0] == "linear" and not chunk_size and kernel is chunk_cross_entropy_torch \
@@ -364,7 +366,6 @@ def fused_linear_cross_entropy(
         divisor = float(n_valid)
     else:
         divisor = float(num_items_in_batch.item() if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
-    softcap = None if not softcap else float(softcap)
 
     if path[0] == "module":
         module = path[1]

@@ -6,7 +6,8 @@ transformers 5 keeps each MoE block's experts as fused 3-D parameters (`gate_up_
 EXPERTS_NAME and make it the default the same way our attention becomes the default: the family's
 `get_correct_experts_implementation` answers EXPERTS_NAME when nothing was requested and the current config has
 kernels.experts on, and remembers an explicit request (`experts_implementation="eager"`, ...), which is kept.
-The registered function asks the running model's config (scope.switch) and runs HF's default where it is off.
+The registered function asks the running model's config (scope.switch) and runs HF's default where it is off,
+and on the torch backend, where HF's default (`grouped_mm`) is our torch kernel's algorithm (`hf_runs_them`).
 
 Biased experts, transposed weights and a family's own gate (GPT-OSS: [E, H, 2I] weights with biases, an
 interleaved clamped gate) run through grouped_mlp's keywords; experts it does not cover (no gate, a post-expert
@@ -102,8 +103,8 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts forward (HF's signature): permute -> grouped gate_up -> gate -> grouped down -> weighted
     unpermute, on the backend's kernels (ops/experts.py); HF's default where `hf_runs_them`."""
-    layout = _layout(self)
-    if layout is None or hf_runs_them(registry.resolve_backend(hidden_states.device)):
+    layout = None if hf_runs_them(registry.resolve_backend(hidden_states.device)) else _layout(self)
+    if layout is None:
         return compat.experts_registry().default(self, hidden_states, top_k_index, top_k_weights)
     out = experts_mlp(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, gate_of(self),
                       **layout)
