@@ -15,7 +15,6 @@ import contextlib
 import functools
 import inspect
 import re
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -290,13 +289,3 @@ def fused_layer(forward: Callable, norm_classes: tuple[type, ...], offset: bool)
     not one of LAYER_SHAPES."""
     shape = layer_shape(forward) if norm_classes else None
     return None if shape is None else fused_layer_forward(forward, *shape, norm_classes, offset)
-
-
-def checkpointing_cell(forward: Callable) -> types.CellType | None:
-    """The closure cell holding the forward that transformers' GradientCheckpointingLayer wrapper (>= 5.24: it wraps
-    every layer class's `forward` at class creation) calls; None for a forward without that wrapper. Replacing the
-    cell's contents keeps the wrapper, and with it gradient checkpointing, in place."""
-    code = getattr(forward, "__code__", None)
-    if code is None or code.co_name != "forward_with_checkpointing" or "forward" not in code.co_freevars:
-        return None
-    return forward.__closure__[code.co_freevars.index("forward")]

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config import MindSpeedConfig
 from ..ops import registry
+from ..releases import compat
 
 _running: contextvars.ContextVar[MindSpeedConfig | None] = contextvars.ContextVar("mindspeed_hf_config", default=None)
 _unread: contextvars.ContextVar[bool] = contextvars.ContextVar("mindspeed_hf_logits_unread", default=False)
@@ -50,6 +51,7 @@ def current() -> MindSpeedConfig:
 
 
 _DEFAULT = MindSpeedConfig()
+_ENTER = "_mindspeed_enter"  # a self-scoped decoder layer's scope entry (attach)
 
 
 @contextlib.contextmanager
@@ -88,7 +90,7 @@ def _enter(config: MindSpeedConfig | None, counts: dict[str, int]) -> Callable[.
         if torch.compiler.is_compiling():
             _enter_traced(config)
             return
-        if registry.counter() is counts and (config is None or _running.get() is config):
+        if _inside_scope(hook):
             # Already inside this model's scope (a layer's child run by its layer): nothing to set or reset.
             module.__dict__.setdefault("_mindspeed_tokens", []).append(())
             return
@@ -98,7 +100,13 @@ def _enter(config: MindSpeedConfig | None, counts: dict[str, int]) -> Callable[.
         module.__dict__.setdefault("_mindspeed_tokens", []).append(tokens)
 
     hook._mindspeed_scope = True
+    hook.config, hook.counts = config, counts
     return hook
+
+
+def _inside_scope(enter: Callable[..., None]) -> bool:
+    """True when the scope an `_enter` hook sets is the current one already."""
+    return registry.counter() is enter.counts and (enter.config is None or _running.get() is enter.config)
 
 
 def _enter_traced(config: MindSpeedConfig | None) -> None:
@@ -127,11 +135,16 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
 _leave._mindspeed_scope = True
 
 
-def _scoped_modules(hf_model: nn.Module, layers: tuple[nn.Module, ...] = ()) -> list[nn.Module]:
-    """The model, its backbone (TRL calls it directly), nested loss heads (called on their own: Qwen3-Omni's code
-    predictor), and every decoder layer's direct children: activation checkpointing reruns a layer's forward body in
-    backward (transformers 5 checkpoints `forward`, outside the layer's own hooks), and the children's hooks run
-    again there. `layers`: more such layers (a diffusers denoiser's transformer blocks)."""
+def _scoped_modules(hf_model: nn.Module, layers: tuple[nn.Module, ...] = ()) -> tuple[list[nn.Module],
+                                                                                      list[nn.Module]]:
+    """(the modules that carry the scope hooks, the decoder layers that enter the scope themselves).
+
+    Hooked: the model, its backbone (TRL calls it directly), nested loss heads (called on their own: Qwen3-Omni's code
+    predictor), and every decoder layer with its direct children: activation checkpointing reruns a layer's forward
+    body in backward (transformers 5 checkpoints `forward`, outside the layer's own hooks), and the children's hooks
+    run again there. A layer whose class runs one of our layer-scoped switches (`switch(..., layer_forward=True)`)
+    enters its model's scope itself, first thing, also where it is rerun: it and its children carry no hooks.
+    `layers`: more layers to hook (a diffusers denoiser's transformer blocks)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     found = {id(hf_model): hf_model}
@@ -141,14 +154,24 @@ def _scoped_modules(hf_model: nn.Module, layers: tuple[nn.Module, ...] = ()) -> 
     base = getattr(hf_model, "base_model", None)
     if isinstance(base, nn.Module):
         found.setdefault(id(base), base)
+    entering: list[nn.Module] = []
     for module in hf_model.modules():
         head = getattr(type(module).forward, "_mindspeed_op", None) == "fused_linear_cross_entropy"
         if head and module is not hf_model:
             found.setdefault(id(module), module)
         if isinstance(module, GradientCheckpointingLayer):
+            if _enters_scope(module):
+                entering.append(module)
+                continue
             for child in (module, *module.children()):
                 found.setdefault(id(child), child)
-    return list(found.values())
+    return list(found.values()), entering
+
+
+def _enters_scope(layer: nn.Module) -> bool:
+    """The layer runs its class's layer-scoped switch (no instance forward, no other library's class forward)."""
+    return "forward" not in vars(layer) and getattr(compat.layer_function(type(layer)), "_mindspeed_enters_scope",
+                                                    False)
 
 
 def attach(hf_model: nn.Module, config: MindSpeedConfig, layers: tuple[nn.Module, ...] = ()) -> None:
@@ -158,9 +181,12 @@ def attach(hf_model: nn.Module, config: MindSpeedConfig, layers: tuple[nn.Module
     if config.backend != "auto":
         registry.validate_backend_name(config.backend, "backend")
     counts = ran(hf_model)
-    for module in _scoped_modules(hf_model, layers):
+    hooked, entering = _scoped_modules(hf_model, layers)
+    for module in hooked:
         module.register_forward_pre_hook(_enter(config, counts))
         module.register_forward_hook(_leave, always_call=True)
+    for layer in entering:
+        layer.__dict__[_ENTER] = _enter(config, counts)  # a function: a deep copy of the model shares it
     hf_model._mindspeed_config = config
 
 
@@ -182,6 +208,7 @@ def detach(hf_model: nn.Module) -> None:
     """Remove what `attach` added (the model then follows the process config). Finds the hooks by their mark,
     so it also cleans a deep copy of an attached model."""
     for module in hf_model.modules():
+        module.__dict__.pop(_ENTER, None)
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
             for key in [k for k, fn in hooks.items() if getattr(fn, "_mindspeed_scope", False)]:
                 del hooks[key]
@@ -189,31 +216,45 @@ def detach(hf_model: nn.Module) -> None:
     hf_model.__dict__.pop("_mindspeed_config", None)
 
 
-def switch(op: str, fast: Callable, original: Callable, model_forward: bool = False) -> Callable:
+def switch(op: str, fast: Callable, original: Callable, model_forward: bool = False,
+           layer_forward: bool = False) -> Callable:
     """A function that runs `fast` when the current config has `op` on, else `original` (HF's own).
 
     It presents the original's name, signature and annotations (functools.wraps), so code that inspects a patched
     forward (Trainer's dataset columns and loss kwargs, transformers' output-field checks) sees HF's.
     `model_forward`: it replaces a top-level model's forward (the causal-LM heads), which may be called directly,
     past the model's hooks (PEFT 0.17-0.18's tuner calls `model.forward(...)`): the model's config and counter then
-    apply all the same. The kernels' own sites (norms, MLPs, rope) do not pay for that check."""
+    apply all the same. `layer_forward`: it replaces a decoder layer's forward, which enters its model's scope before
+    choosing, wherever it runs: in the model's forward (already current: one check) and where activation
+    checkpointing reruns it in backward, outside every hook. The kernels' own sites (norms, MLPs, rope) pay for
+    neither check."""
 
     def run(*args: Any, **kwargs: Any) -> Any:  # the hot path: one frame, kernel_on inlined
         return (fast if getattr(current().kernels, op) else original)(*args, **kwargs)
 
-    if not model_forward:
-        run = functools.wraps(original)(run)
-        run._mindspeed_op = op
-        return run
+    if model_forward:
+        @functools.wraps(original)
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            owner = vars(args[0])
+            if "_mindspeed_ran" in owner and not owner.get("_mindspeed_tokens"):
+                with _inside(args[0], owner.get("_mindspeed_config")):
+                    return run(*args, **kwargs)
+            return run(*args, **kwargs)
+    elif layer_forward:
+        @functools.wraps(original)
+        def dispatch(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            enter = self.__dict__.get(_ENTER)
+            if enter is None or torch.compiler.is_compiling() or _inside_scope(enter):
+                return run(self, *args, **kwargs)
+            enter(self, ())
+            try:
+                return run(self, *args, **kwargs)
+            finally:
+                _leave(self, (), None)
 
-    @functools.wraps(original)
-    def dispatch(*args: Any, **kwargs: Any) -> Any:
-        owner = vars(args[0])
-        if "_mindspeed_ran" in owner and not owner.get("_mindspeed_tokens"):
-            with _inside(args[0], owner.get("_mindspeed_config")):
-                return run(*args, **kwargs)
-        return run(*args, **kwargs)
-
+        dispatch._mindspeed_enters_scope = True
+    else:
+        dispatch = functools.wraps(original)(run)
     dispatch._mindspeed_op = op
     return dispatch
 

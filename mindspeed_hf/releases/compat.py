@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -370,3 +371,24 @@ def current_autograd_node() -> Any:
     """The autograd node the engine is running now (None outside a backward pass), as torch's C extension reports it
     (`torch._C._current_autograd_node`, every torch 2.x)."""
     return torch._C._current_autograd_node()
+
+
+# ----------------------------------------------------------------------------- decoder layers' checkpointing wrapper
+
+def checkpointing_cell(forward: Callable) -> types.CellType | None:
+    """The closure cell holding the forward that transformers' GradientCheckpointingLayer wrapper (>= 5.24: it wraps
+    every layer class's `forward` at class creation) calls; None for a forward without that wrapper. Replacing the
+    cell's contents keeps the wrapper, and with it gradient checkpointing, in place."""
+    code = getattr(forward, "__code__", None)
+    if code is None or code.co_name != "forward_with_checkpointing" or "forward" not in code.co_freevars:
+        return None
+    return forward.__closure__[code.co_freevars.index("forward")]
+
+
+def layer_function(layer_cls: type) -> Callable:
+    """The forward function a decoder-layer class runs: its `forward`, or (>= 5.24) what transformers'
+    checkpointing wrappers call, followed through every wrapper (FSDP2's subclass of a layer class is wrapped again)."""
+    function = layer_cls.forward
+    while (cell := checkpointing_cell(function)) is not None:
+        function = cell.cell_contents
+    return function

@@ -11,8 +11,7 @@ import mindspeed_hf
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.patches import FAMILIES
 from mindspeed_hf.patches.families import ModelFamily
-from mindspeed_hf.patches.forwards import checkpointing_cell
-from mindspeed_hf.releases.compat import sdpa_replaceable
+from mindspeed_hf.releases.compat import checkpointing_cell, sdpa_replaceable
 
 # Text decoders (XForCausalLM heads); vision-language and third-party families have their own tests
 # (tests/models/test_vlm.py, the Qwen3-TTS example's).
@@ -124,10 +123,16 @@ def test_add_norm_keeps_gradient_checkpointing():
     mindspeed_hf.enable()
     mindspeed_hf.apply_to_model(model)
     assert (modeling_llama.LlamaDecoderLayer.forward is before) == (checkpointing_cell(before) is not None)
+    # a fused layer enters its model's scope itself, also where it is rerun: no hooks on it or its children
+    ours = [m for m in model.model.layers.modules()
+            if any(getattr(h, "_mindspeed_scope", False) for h in (*m._forward_pre_hooks.values(),
+                                                                   *m._forward_hooks.values()))]
+    assert ours == [] and any(getattr(h, "_mindspeed_scope", False) for h in model._forward_pre_hooks.values())
     loss, grads = loss_and_grads(model, batch)
     torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
     assert_close_grads(expected[1], grads)
-    # once in the forward, once more where checkpointing reran each layer in backward
+    # once in the forward, once more where checkpointing reran each layer in backward (outside every hook: counted
+    # into the model's report by the layer's own scope entry)
     assert mindspeed_hf.report(model)["ran"]["add_rms_norm"] == 2 * model.config.num_hidden_layers
 
 

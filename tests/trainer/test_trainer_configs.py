@@ -22,8 +22,8 @@ STEPS = 3
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts of what really runs: the fused RMSNorm forward (any backend), the NPU RMSNorm ops (the stand-in's
-    npu_rms_norm, and npu_add_rms_norm where the residual add is fused into the norm) and the fused loss."""
+    """Counts of what really runs: the fused RMSNorm forward and add+norm (any backend), the NPU RMSNorm ops (the
+    stand-in's npu_rms_norm, and npu_add_rms_norm where the residual add is fused into the norm) and the fused loss."""
     import torch_npu
 
     counts: Counter = Counter()
@@ -36,6 +36,7 @@ def calls(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(forwards, "rms_norm", counting("fused rms_norm", forwards.rms_norm))
+    monkeypatch.setattr(forwards, "add_rms_norm", counting("fused add_rms_norm", forwards.add_rms_norm))
     monkeypatch.setattr(torch_npu, "npu_rms_norm", counting("npu_rms_norm", torch_npu.npu_rms_norm))
     monkeypatch.setattr(torch_npu, "npu_add_rms_norm", counting("npu_add_rms_norm", torch_npu.npu_add_rms_norm))
     monkeypatch.setattr(causal_lm, "fused_linear_cross_entropy",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from ...releases import compat
 from .. import forwards
 from ..engine import FUSED_LAYERS, PATCHES
 from ..families import ModelFamily
@@ -22,10 +23,11 @@ def patch(family: ModelFamily, module: ModuleType) -> None:
     layer = getattr(module, family.decoder_layer, None) if family.decoder_layer else None
     if layer is None:
         return
-    cell = forwards.checkpointing_cell(layer.forward)
+    cell = compat.checkpointing_cell(layer.forward)
     owner, name = (cell, "cell_contents") if cell else (layer, "forward")
     if PATCHES.is_patched(owner, name):
         return
     fused = forwards.fused_layer(getattr(owner, name), norms, family.offset_rms_norm)
-    if fused is not None and switch(owner, name, "rms_norm", fused, reported_as="add_rms_norm"):
+    if fused is not None and switch(owner, name, "rms_norm", fused, reported_as="add_rms_norm",
+                                     layer_forward=True):
         FUSED_LAYERS.add(layer)
