@@ -4,6 +4,12 @@ benchmark with `taskset -c N`). Per run: CPU seconds of the whole process (impor
 median training step (wall and CPU, first 5 steps left out) and the import time of mindspeed_hf.
 
     taskset -c 1 python benchmarks/bench_host_time.py --pairs 3 --steps 40 --out benchmarks/results/host_time_cpu.md
+
+--busy N: the busy-machine comparison instead. Torch's default threads, not pinned; each pair runs both variants
+on the quiet machine, then again while N other processes spin on the CPU (a shared machine's other jobs): how much
+each variant slows down under the load, side by side.
+
+    python benchmarks/bench_host_time.py --busy 2 --threads '' --pairs 3 --out benchmarks/results/host_time_busy_cpu.md
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from results_io import emit
@@ -31,15 +38,17 @@ def one_run(auto: str, steps: int, threads: str | None) -> dict:
             env["OMP_NUM_THREADS"] = threads
         cmd = [sys.executable, str(CHILD), str(ROOT / "examples" / "sft_trainer.py"), "--max_steps", str(steps),
                "--output_dir", tmp, "--losses_file", f"{tmp}/losses.jsonl"]
+        start = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
         if status != 0:
             raise RuntimeError(f"{cmd} failed ({status})")
         timed = json.loads(Path(f"{tmp}/t.json").read_text())
         losses = [json.loads(line)["loss"] for line in Path(f"{tmp}/losses.jsonl").read_text().splitlines()
                   if '"loss"' in line]
     later = timed["steps"][5:] or timed["steps"]
-    return {"cpu_s": usage.ru_utime + usage.ru_stime, "import_s": timed["import_s"],
+    return {"cpu_s": usage.ru_utime + usage.ru_stime, "wall_s": wall, "import_s": timed["import_s"],
             "step_s": statistics.median(w for w, _ in later), "step_cpu_s": statistics.median(c for _, c in later),
             "losses": losses}
 
@@ -85,6 +94,34 @@ def micro(pairs: int, calls: int) -> list[str]:
             "|---|---|---|---|", ratio_line("RMSNorm call (s)", runs, "call_s", digits=7)]
 
 
+def busy(pairs: int, steps: int, threads: str | None, spinners: int) -> list[str]:
+    """Both variants on the quiet machine, then while `spinners` processes spin on the CPU, in interleaved pairs:
+    each variant's slow-down under the load (busy / quiet), and ours against plain's."""
+    runs = []
+    for i in range(pairs):
+        order = ("0", "1") if i % 2 == 0 else ("1", "0")
+        quiet = {auto: one_run(auto, steps, threads) for auto in order}
+        load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+        try:
+            loaded = {auto: one_run(auto, steps, threads) for auto in order}
+        finally:
+            for proc in load:
+                proc.kill()
+                proc.wait()
+        runs.append({auto: {**{f"quiet_{k}": v for k, v in quiet[auto].items()},
+                            **{f"busy_{k}": v for k, v in loaded[auto].items()},
+                            "slowdown_step": loaded[auto]["step_s"] / quiet[auto]["step_s"],
+                            "slowdown_wall": loaded[auto]["wall_s"] / quiet[auto]["wall_s"]} for auto in order})
+    return ["| measure | plain HF (MINDSPEED_HF_AUTO=0) | mindspeed_hf | ratio, median [min-max] |",
+            "|---|---|---|---|",
+            ratio_line("training step wall, quiet (s)", runs, "quiet_step_s"),
+            ratio_line("training step wall, busy (s)", runs, "busy_step_s"),
+            ratio_line("step slow-down under the load (busy / quiet)", runs, "slowdown_step", digits=2),
+            ratio_line("whole process wall, quiet (s)", runs, "quiet_wall_s", digits=2),
+            ratio_line("whole process wall, busy (s)", runs, "busy_wall_s", digits=2),
+            ratio_line("whole-process slow-down under the load (busy / quiet)", runs, "slowdown_wall", digits=2)]
+
+
 def ratio_line(name: str, pairs: list[dict], key: str, digits: int = 4) -> str:
     ratios = [p["1"][key] / p["0"][key] for p in pairs]
     plain = statistics.median(p["0"][key] for p in pairs)
@@ -99,6 +136,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", default="1", help="OMP_NUM_THREADS of the runs ('' leaves the default)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--busy", type=int, default=0, help="the busy-machine comparison, with N spinning processes")
     ap.add_argument("--calls", type=int, default=5000, help="calls per timed loop of the RMSNorm micro-benchmark")
     ap.add_argument("--micro-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -106,6 +144,13 @@ def main() -> None:
         micro_worker(args.calls)
         return
     threads = args.threads or None
+    if args.busy:
+        lines = [f"`python benchmarks/bench_host_time.py {' '.join(sys.argv[1:])}`", "",
+                 f"examples/sft_trainer.py, {args.steps} steps, {args.pairs} interleaved process pairs, "
+                 f"OMP_NUM_THREADS={threads or 'default'}, affinity {sorted(os.sched_getaffinity(0))}; busy: "
+                 f"{args.busy} processes spinning on the CPU", "", *busy(args.pairs, args.steps, threads, args.busy)]
+        emit("\n".join(lines) + "\n", args.out)
+        return
     pairs = []
     for i in range(args.pairs):
         order = ("0", "1") if i % 2 == 0 else ("1", "0")

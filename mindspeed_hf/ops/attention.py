@@ -237,7 +237,7 @@ def attention_npu(module, query, key, value, attention_mask, dropout=0.0, scalin
     if reason is None and info is not None:
         if info.is_dense(query.shape[0]):
             # One whole sequence per row, e.g. the sequence ids that transformers 4.57 hands over for every batch
-            # without an attention mask (compat.UNPACKED_BATCHES_GET_SEQUENCE_IDS): the plain dense call below.
+            # without an attention mask (compat.unpacked_batches_get_sequence_ids()): the plain dense call below.
             info = None
         elif sliding_window is not None and sliding_window < query.shape[2] and not info.contiguous:
             reason = "a sliding window over padding with holes"

@@ -27,6 +27,7 @@ from ..ops.rms_norm import add_rms_norm, rms_norm
 from ..ops.rotary import apply_rotary_pos_emb
 from ..ops.swiglu import swiglu, swiglu_packed
 from ..releases import compat
+from ..releases.seams import source_of
 
 SILU = (nn.SiLU, SiLUActivation)
 
@@ -146,7 +147,7 @@ def layer_shape(forward: Callable) -> tuple[str, tuple[str, ...]] | None:
     if any(_renamed(f) is None for f in _wrappers(forward)):
         return None
     try:
-        source = inspect.getsource(inner)
+        source = source_of(inner)
     except (OSError, TypeError):
         return None
     start = source.find("residual = hidden_states")

@@ -147,14 +147,13 @@ def mask_query_kwargs(q_length: int, q_offset: int, device: torch.device) -> dic
     return {"q_length": q_length, "q_offset": q_offset, "device": device}
 
 
-def _unpacked_batches_get_sequence_ids() -> bool:
+@functools.cache
+def unpacked_batches_get_sequence_ids() -> bool:
+    """transformers 4.57 hands packed-sequence ids to the mask builders for every batch with position_ids and without
+    an attention mask, packed or not (all zeros for an unpacked one); 5.x tells them apart (one host sync) and passes
+    none for an unpacked batch. Probed on first use, not at import: the probe's first call costs about 5 MB of resident
+    memory (masking_utils' tracing check), which a run that never asks must not pay."""
     return masking_utils.find_packed_sequence_indices(torch.arange(4).unsqueeze(0)) is not None
-
-
-UNPACKED_BATCHES_GET_SEQUENCE_IDS: bool = _unpacked_batches_get_sequence_ids()
-"""transformers 4.57 hands packed-sequence ids to the mask builders for every batch with position_ids and without an
-attention mask, packed or not (all zeros for an unpacked one); 5.x tells them apart (one host sync) and passes none
-for an unpacked batch."""
 
 
 def _attend_everywhere(batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Any:

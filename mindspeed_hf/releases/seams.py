@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import linecache
 from dataclasses import dataclass
 from typing import Any
 
@@ -371,19 +372,35 @@ def _resolve(path: str) -> Any:
     return None
 
 
-@functools.cache
-def _source(module: str) -> str:
-    """The source text of module `module` ("" when it cannot be imported)."""
+def source_of(obj: Any) -> str:
+    """`inspect.getsource(obj)`, without leaving its file's lines in linecache where nothing else had put them: a
+    check that reads HF's source once must not keep that file (transformers' trainer.py: over 1 MB as lines) in memory
+    for the whole run. Raises what inspect.getsource raises."""
     try:
-        return inspect.getsource(importlib.import_module(module))
+        file = inspect.getsourcefile(obj)
+    except TypeError:
+        file = None
+    cached = file is None or file in linecache.cache
+    try:
+        return inspect.getsource(obj)
+    finally:
+        if not cached:
+            linecache.cache.pop(file, None)
+
+
+@functools.cache
+def _source_has(module: str, text: str) -> bool:
+    """Whether the source of module `module` holds `text` (False when it cannot be imported or read)."""
+    try:
+        return text in source_of(importlib.import_module(module))
     except (ImportError, OSError, TypeError):
-        return ""
+        return False
 
 
 def _present_on_owner(seam: Seam) -> bool:
     """Kinds object / instance / source: the name on (an instance of, the source of) `seam.owner`."""
     if seam.kind == "source":
-        return seam.attribute in _source(seam.owner)
+        return _source_has(seam.owner, seam.attribute)
     owner = _resolve(seam.owner)
     if owner is None:
         return False
@@ -400,7 +417,7 @@ def _present(seam: Seam) -> bool:
 
         return callable(getattr(Trainer, seam.name, None))
     if seam.kind == "attribute":
-        return any(seam.name in inspect.getsource(module) for module in _reader_modules())
+        return any(seam.name in source_of(module) for module in _reader_modules())
     if seam.kind == "module":
         import transformers.trainer as hf_trainer
 

@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward as 
 
 from mindspeed_hf.device import import_torch_npu
 from mindspeed_hf.ops import attention, varlen
-from mindspeed_hf.releases.compat import UNPACKED_BATCHES_GET_SEQUENCE_IDS, create_mask
+from mindspeed_hf.releases.compat import create_mask, unpacked_batches_get_sequence_ids
 
 B, S, NQ, NKV, D = 3, 37, 6, 2, 24
 SCALE = 0.17  # not 1/sqrt(D): the scale must be passed explicitly (the op's default is 1.0)
@@ -338,7 +338,7 @@ def test_npu_builds_cumulative_lengths_once_per_forward(monkeypatch):
     model(**batch, use_cache=False)
     # No padding: no host sync at all, except where transformers (4.57) describes every batch without a mask as
     # packed; one read tells it is not (5.x does that same read itself).
-    syncs = ["sequence_ids"] if UNPACKED_BATCHES_GET_SEQUENCE_IDS else []
+    syncs = ["sequence_ids"] if unpacked_batches_get_sequence_ids() else []
     assert counts["layouts"] == ["BSND", "BSND"] and counts["build"] == syncs
 
 

@@ -13,7 +13,6 @@ attention still ours through the dispatcher site.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
 from collections.abc import Callable
 from types import ModuleType
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from ...ops.dit_rope import dit_rope
+from ...releases.seams import source_of
 
 logger = logging.getLogger("mindspeed_hf")
 
@@ -34,7 +34,7 @@ TEXT_TOKENS = 512
 
 def digest(function: Callable) -> str:
     try:
-        return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
+        return hashlib.sha256(source_of(function).encode()).hexdigest()[:16]
     except (OSError, TypeError):
         return ""
 
