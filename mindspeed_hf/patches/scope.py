@@ -3,9 +3,10 @@
 The kernels are patched into model classes once, for the whole process, so two models of one class (a trained
 policy and its frozen reference, two trainers in one notebook, an HPO sweep) share the patched code. What differs
 is the config each was given: `attach(model, config)` keeps it on the model and makes it *current* while that
-model runs (forward hooks on the model, its backbone and the parts of each decoder layer, so a layer recomputed
-in backward by activation checkpointing sees it too). Every patched function asks `current()` and runs HF's
-original code for an op that config switches off. Code outside any attached model sees the process config.
+model runs (forward hooks on the model and its backbone; a decoder layer whose forward is our fused one enters
+the scope itself, other layers carry hooks on their parts, so that a layer recomputed in backward by activation
+checkpointing sees it too). Every patched function asks `current()` and runs HF's original code for an op that
+config switches off. Code outside any attached model sees the process config.
 """
 
 from __future__ import annotations
