@@ -441,3 +441,22 @@ def test_disable_removes_every_attention_we_registered():
     assert CP_ATTENTION in AttentionInterface._global_mapping and "mindspeed" in AttentionMaskInterface._global_mapping
     mindspeed_hf.disable()
     assert [dict(i._global_mapping) for i in (AttentionInterface, AttentionMaskInterface)] == before
+
+
+def test_source_of_reads_source_and_leaves_linecache_as_it_was():
+    """seams.source_of gives inspect.getsource's text without keeping a file in linecache that was not there (the
+    seam checks read transformers' trainer.py once; its lines must not stay resident for the run)."""
+    import linecache
+
+    import transformers.trainer as hf_trainer
+
+    path = inspect.getsourcefile(hf_trainer)
+    linecache.cache.pop(path, None)
+    assert seams.source_of(hf_trainer.Trainer.training_step) == inspect.getsource(hf_trainer.Trainer.training_step)
+    assert path in linecache.cache  # inspect.getsource itself (the reference above) keeps it
+    linecache.cache.pop(path, None)
+    assert "def training_step" in seams.source_of(hf_trainer.Trainer.training_step)
+    assert path not in linecache.cache
+    linecache.getlines(path)  # cached by somebody else: left cached
+    seams.source_of(hf_trainer.Trainer.training_step)
+    assert path in linecache.cache
