@@ -8,7 +8,9 @@ steps, each trainer with its own defaults (TRL's gradient checkpointing on: mind
 recompute). Each variant runs in its own process (MINDSPEED_HF_AUTO=0 / 1, one thread), the pairs alternating.
 Peak memory is the process's resident high-water mark (ru_maxrss: start-up and imports included, so mindspeed_hf's
 own import shows there) on CPU, with the resident set's growth while training (sampled every 2 ms from the trainer
-built) beside it; torch's peak allocation on a GPU / NPU.
+built) and the C heap in use at its peak (glibc mallinfo2, sampled the same way: tensors and larger Python objects,
+without the freed memory the allocator keeps, the nearest CPU analogue of a device's peak allocation); torch's peak
+allocation on a GPU / NPU.
 
     python benchmarks/bench_trl.py [--trainer sft|dpo|both] [--repeats 2] [--out benchmarks/results/trl_cpu.md]
 
@@ -69,6 +71,30 @@ def _resident() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _heap_reader():
+    """A function returning the bytes the C allocator has handed out and not yet had back (glibc mallinfo2: in-use
+    heap chunks plus mmapped blocks): what the tensors and the larger Python objects hold, without the freed memory
+    the allocator keeps (which the resident set counts, so its high-water mark also measures the allocator's
+    fragmentation). None where the C library has no mallinfo2 (glibc < 2.33, other platforms)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = MallInfo2
+
+    def in_use() -> int:
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    return in_use
+
+
 def worker(args) -> dict:
     import torch
     from datasets import Dataset
@@ -119,12 +145,15 @@ def worker(args) -> dict:
                              train_dataset=Dataset.from_list(rows),
                              processing_class=tokenizer, callbacks=[Timed()])
     reset_peak_memory(device)
-    built, sampled = _resident(), [0]
+    heap_in_use = _heap_reader()
+    built, sampled, heap = _resident(), [0], [heap_in_use() if heap_in_use else None]
     done = threading.Event()
 
     def sample() -> None:  # the CPU's resident set while training (ru_maxrss also holds start-up and imports)
         while not done.wait(0.002):
             sampled[0] = max(sampled[0], _resident())
+            if heap_in_use:
+                heap[0] = max(heap[0], heap_in_use())
 
     sampler = threading.Thread(target=sample, daemon=True)
     if device == "cpu":
@@ -136,7 +165,8 @@ def worker(args) -> dict:
     ran = mindspeed_hf.report(trainer.model).get("ran", {}) if mindspeed_hf.is_enabled() else {}
     return {"losses": [entry["loss"] for entry in logged], "logs": logged, "step": statistics.median(times[1:]),
             "peak_bytes": peak_memory_bytes(device), "ran": ran,
-            "train_bytes": (max(sampled[0], _resident()) - built) if device == "cpu" else None}
+            "train_bytes": (max(sampled[0], _resident()) - built) if device == "cpu" else None,
+            "heap_bytes": heap[0] if device == "cpu" else None}
 
 
 def _metrics_diff(plain: list[dict], ours: list[dict]) -> tuple[float, list[str]]:
@@ -183,19 +213,23 @@ def main() -> None:
                  for name, auto in (order if repeat % 2 == 0 else order[::-1])} for repeat in range(args.repeats)]
         cpu = runs[0][order[0][0]]["train_bytes"] is not None
         lines += [f"## {trainer.upper()}", "", "| run | step time (s, median of pairs) | peak memory (MB, median of "
-                  "pairs) |" + (" resident-set growth while training (MB, sampled every 2 ms, median) |" if cpu
-                                else "") + " losses (first pair) |", "|---|---|---|" + ("---|" if cpu else "") + "---|"]
+                  "pairs) |" + (" resident-set growth while training (MB, sampled every 2 ms, median) | heap in use "
+                                "at its peak (MB, malloc, sampled every 2 ms, median) |" if cpu else "")
+                  + " losses (first pair) |", "|---|---|---|" + ("---|---|" if cpu else "") + "---|"]
         for name, _ in order:
             step = statistics.median(r[name]["step"] for r in runs)
             peak = statistics.median(r[name]["peak_bytes"] for r in runs) / 2**20
-            grew = f" {statistics.median(r[name]['train_bytes'] for r in runs) / 2**20:.0f} |" if cpu else ""
+            grew = (f" {statistics.median(r[name]['train_bytes'] for r in runs) / 2**20:.0f} |"
+                    f" {statistics.median(r[name]['heap_bytes'] or 0 for r in runs) / 2**20:.0f} |") if cpu else ""
             losses = " ".join(f"{x:.6f}" for x in runs[0][name]["losses"])
             lines.append(f"| {name} | {step:.3f} | {peak:.0f} |{grew} {losses} |")
         plain, ours = (name for name, _ in order)
         worst, names = _metrics_diff(runs[0][plain]["logs"], runs[0][ours]["logs"])
         ran = runs[0][ours]["ran"]
+        heap = (f", heap-in-use peak ratio {spread([r[ours]['heap_bytes'] / r[plain]['heap_bytes'] for r in runs])}"
+                if cpu and all(r[name]["heap_bytes"] for r in runs for name in (plain, ours)) else "")
         lines += ["", f"step time ratio {spread([r[ours]['step'] / r[plain]['step'] for r in runs])}, peak memory "
-                  f"ratio {spread([r[ours]['peak_bytes'] / r[plain]['peak_bytes'] for r in runs])}; every logged "
+                  f"ratio {spread([r[ours]['peak_bytes'] / r[plain]['peak_bytes'] for r in runs])}{heap}; every logged "
                   f"metric ({', '.join(names)}) equal within {worst:.1e} (relative, first pair); our kernels that "
                   f"ran: {', '.join(f'{k} {v}' for k, v in ran.items() if v)}", ""]
     emit("\n".join(lines), args.out)
