@@ -2,16 +2,14 @@
 
 Partial rotary (cos narrower than the head, as in Phi-3) rotates the leading part and keeps the rest.
 
-The torch path computes it as x * cos + x.roll(half) * signed_sin, where signed_sin is sin with its first half
-negated (made once per sin table, shared by every layer's call): rotate_half(x) * sin and x.roll(half) * signed_sin
-are the same products with the sign moved from one factor to the other ((-a) * b == a * (-b) exactly in IEEE
-arithmetic), so outputs and gradients are HF's bit for bit, in fewer ops (no slices, no negation, no concatenation
-per tensor, forward or backward).
+The torch path computes rotate_half(x) as x.roll(half) * [-1 ... -1, 1 ... 1]: the same values exactly (a product
+with +-1 is exact), in two ops instead of two slices, a negation and a concatenation per tensor, and in backward a
+roll and a product instead of the slices' zero-filled gradients, the negation and the split; the rest is HF's
+x * cos + rotated * sin, so outputs and gradients are HF's bit for bit, with nothing more kept for the backward
+than HF keeps (the sign vector, [head_dim], is made once per head size, dtype and device).
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -32,33 +30,30 @@ def _rope_one_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return (x * cos) + (_rotate_half(x) * sin)
 
 
-# id(sin table) -> (a weak reference to it, its version, the table with its first half negated); an entry goes
-# when its table does. (Keyed by id: a tensor's == is elementwise, which weak-keyed dicts would call.)
-_signed_sins: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_signs: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _negated_first_half(sin: torch.Tensor) -> torch.Tensor:
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+def _half_signs(x: torch.Tensor) -> torch.Tensor:
+    """[-1] * half + [1] * (dim - half) in x's dtype and device, made once (never an inference tensor: it is saved
+    for the backward of the product it takes part in)."""
+    dim = x.shape[-1]
+    key = (dim, x.dtype, x.device)
+    signs = None if torch.compiler.is_compiling() else _signs.get(key)
+    if signs is None:
+        with torch.inference_mode(False):
+            signs = torch.ones(dim, dtype=x.dtype, device=x.device)
+            signs[: dim // 2] = -1
+        if not torch.compiler.is_compiling():
+            _signs[key] = signs
+    return signs
 
 
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """`sin` with its first half negated, made once per table (a model's layers all take the same one); made anew
-    for a table that needs a gradient or was changed in place, and while torch.compile traces."""
-    if sin.requires_grad or torch.compiler.is_compiling():
-        return _negated_first_half(sin)
-    key = id(sin)
-    known = _signed_sins.get(key)
-    if known is not None and known[0]() is sin and known[1] == sin._version:
-        return known[2]
-    signed = _negated_first_half(sin)
-    _signed_sins[key] = (weakref.ref(sin, lambda _, key=key: _signed_sins.pop(key, None)), sin._version, signed)
-    return signed
-
-
-def _rope_one_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """_rope_one_torch's result, bit for bit, from the signed sin table (see the module docstring)."""
-    return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * signed_sin)
+def _rope_one_rolled(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """_rope_one_torch's result, bit for bit, with rotate_half as a roll and a sign product (module docstring); an
+    odd width (where the roll is not rotate_half) goes HF's way."""
+    if x.shape[-1] % 2:
+        return _rope_one_torch(x, cos, sin)
+    return (x * cos) + ((x.roll(x.shape[-1] // 2, -1) * _half_signs(x)) * sin)
 
 
 def _promoted(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -91,7 +86,7 @@ def _apply(rope_one, q, k, cos, sin, unsqueeze_dim):
 
 @register("rope", "torch", name="torch")
 def rope_torch(q, k, cos, sin, unsqueeze_dim=1):
-    return _apply(_rope_one_rolled, q, k, cos, _signed_sin(sin), unsqueeze_dim)
+    return _apply(_rope_one_rolled, q, k, cos, sin, unsqueeze_dim)
 
 
 @register("rope", "npu", name="npu:npu_rotary_mul")

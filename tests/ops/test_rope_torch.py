@@ -1,6 +1,6 @@
-"""The torch backend's rotary embedding (x * cos + x.roll(half) * signed_sin, ops/rotary.py) gives HF's
-apply_rotary_pos_emb bits exactly, forward and backward, not merely within the parity tolerance; the signed sin
-table is made once per table and never reused for another table or a table changed in place."""
+"""The torch backend's rotary embedding (rotate_half as a roll times a +-1 sign vector, ops/rotary.py) gives HF's
+apply_rotary_pos_emb bits exactly, forward and backward, not merely within the parity tolerance, and keeps no
+more for the backward than HF does; the sign vector is made once, never as an inference tensor."""
 
 import itertools
 
@@ -49,34 +49,39 @@ def test_rope_is_bitwise_hf(dtype, table_dtype, rotary_frac, unsqueeze_dim):
         assert torch.equal(ours, theirs)
 
 
-def test_signed_table_made_once_per_table(monkeypatch):
-    made = []
-    real = rotary._negated_first_half
-    monkeypatch.setattr(rotary, "_negated_first_half", lambda sin: made.append(1) or real(sin))
+def _saved_bytes(fn, *args) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward of fn(*args)."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(saved.values())
+
+
+def test_keeps_no_more_for_backward_than_hf():
     gen = torch.Generator().manual_seed(1)
-    q, k = torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
-    cos, sin = _tables(2, 5, 8, torch.float32, gen)
-    first = [apply_rotary_pos_emb(q, k, cos, sin) for _ in range(3)]  # three layers, one table
-    assert len(made) == 1
-    with torch.no_grad():
-        sin.mul_(-1)  # changed in place: a new signed table, HF's result for the new values
-    changed = apply_rotary_pos_emb(q, k, cos, sin)
-    assert len(made) == 2
-    assert all(torch.equal(a, b) for a, b in zip(changed, modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)))
-    other_cos, other_sin = _tables(2, 5, 8, torch.float32, gen)  # another table: its own signed table
-    other = apply_rotary_pos_emb(q, k, other_cos, other_sin)
-    assert len(made) == 3
-    assert all(torch.equal(a, b) for a, b in zip(other, modeling_llama.apply_rotary_pos_emb(q, k, other_cos,
-                                                                                            other_sin)))
-    assert all(torch.equal(a, b) for a, b in zip(first[0], first[2]))
+    q = torch.randn(2, 4, 64, 32, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 64, 32, generator=gen, requires_grad=True)
+    cos, sin = _tables(2, 64, 32, torch.float32, gen)
+    ours = _saved_bytes(apply_rotary_pos_emb, q, k, cos, sin)
+    theirs = _saved_bytes(modeling_llama.apply_rotary_pos_emb, q, k, cos, sin)
+    assert ours <= theirs + 32 * 4  # at most the [head_dim] sign vector on top
 
 
-def test_signed_table_goes_with_its_table():
+def test_sign_vector_made_once_and_usable_with_grad_after_inference(monkeypatch):
+    monkeypatch.setattr(rotary, "_signs", {})
     gen = torch.Generator().manual_seed(2)
-    q, k = torch.randn(1, 2, 3, 4, generator=gen), torch.randn(1, 2, 3, 4, generator=gen)
-    cos, sin = _tables(1, 3, 4, torch.float32, gen)
-    apply_rotary_pos_emb(q, k, cos, sin)
-    key = id(sin)
-    assert key in rotary._signed_sins
-    del sin
-    assert key not in rotary._signed_sins
+    cos, sin = _tables(1, 3, 6, torch.float32, gen)
+    with torch.inference_mode():  # first made under inference mode (generation), then used in training
+        apply_rotary_pos_emb(torch.randn(1, 2, 3, 6), torch.randn(1, 2, 3, 6), cos, sin)
+    q = torch.randn(1, 2, 3, 6, generator=gen, requires_grad=True)
+    k = torch.randn(1, 2, 3, 6, generator=gen, requires_grad=True)
+    for _ in range(3):
+        out = apply_rotary_pos_emb(q, k, cos, sin)
+        torch.autograd.grad(out, (q, k), [torch.ones_like(t) for t in out])
+    assert len(rotary._signs) == 1
+    assert not next(iter(rotary._signs.values())).is_inference()
