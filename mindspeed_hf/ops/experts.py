@@ -116,7 +116,7 @@ def grouped_matmul_torch(x: torch.Tensor, weight: torch.Tensor, counts: torch.Te
     opaque op (`mindspeed_hf::grouped_matmul`: torch._grouped_mm's fake kernel takes only bf16, and the loop needs the
     group sizes on the host)."""
     if torch.compiler.is_compiling():
-        return _grouped_matmul_op(x, weight, counts)
+        return traced_grouped_matmul()(x, weight, counts)
     if grouped_mm_applies(x, weight):
         offsets = counts.cumsum(0, dtype=torch.int32)
         return _MaterialisedGrad.apply(torch._grouped_mm(x, weight, offs=offsets))
@@ -124,47 +124,59 @@ def grouped_matmul_torch(x: torch.Tensor, weight: torch.Tensor, counts: torch.Te
     return torch.cat(groups)
 
 
-@torch.library.custom_op("mindspeed_hf::grouped_matmul", mutates_args=())
-def _grouped_matmul_op(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """grouped_matmul_torch's eager body, as one op for a compiled graph (its autograd below)."""
-    with torch.no_grad():
-        return grouped_matmul_torch(x, weight, counts).clone()
+_traced: dict[str, Callable] = {}  # "grouped_matmul": the op a compiled graph runs (define_traced_op)
 
 
-@_grouped_matmul_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # noqa: ARG001
-    return x.new_empty(x.shape[0], weight.shape[2])
+def traced_grouped_matmul() -> Callable:
+    """`mindspeed_hf::grouped_matmul` (grouped_matmul_torch's eager body as one opaque op, with its autograd), defined
+    on first need: registering the two ops costs ~30 ms of host time, which a dense model's run does not pay. The
+    patch of a MoE family defines it before any model is built (define_traced_op), so a trace finds it ready."""
+    return _traced.get("grouped_matmul") or define_traced_op()
 
 
-@torch.library.custom_op("mindspeed_hf::grouped_matmul_weight_grad", mutates_args=())
-def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor, experts: int) -> torch.Tensor:
-    """d(weight) [E, K, M] of x [N, K] @ weight grouped by counts, from grad [N, M] (zero for an empty group)."""
-    out = x.new_zeros(experts, x.shape[1], grad.shape[1])
-    for e, (rows, g) in enumerate(zip(x.split(counts.tolist()), grad.split(counts.tolist()))):
-        if rows.shape[0]:
-            out[e] = rows.t() @ g
-    return out
+@torch.compiler.disable  # registering ops is not traced: reached in a trace only if no MoE family was patched
+def define_traced_op() -> Callable:
+    """Define (once) and return `mindspeed_hf::grouped_matmul`, the op grouped_matmul_torch runs while traced."""
+    if "grouped_matmul" in _traced:
+        return _traced["grouped_matmul"]
 
+    @torch.library.custom_op("mindspeed_hf::grouped_matmul", mutates_args=())
+    def grouped_matmul_op(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """grouped_matmul_torch's eager body, as one op for a compiled graph (its autograd below)."""
+        with torch.no_grad():
+            return grouped_matmul_torch(x, weight, counts).clone()
 
-@_grouped_weight_grad.register_fake
-def _(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor, experts: int) -> torch.Tensor:  # noqa: ARG001
-    return x.new_empty(experts, x.shape[1], grad.shape[1])
+    @grouped_matmul_op.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # noqa: ARG001
+        return x.new_empty(x.shape[0], weight.shape[2])
 
+    @torch.library.custom_op("mindspeed_hf::grouped_matmul_weight_grad", mutates_args=())
+    def weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor, experts: int) -> torch.Tensor:
+        """d(weight) [E, K, M] of x [N, K] @ weight grouped by counts, from grad [N, M] (zero for an empty group)."""
+        out = x.new_zeros(experts, x.shape[1], grad.shape[1])
+        for e, (rows, g) in enumerate(zip(x.split(counts.tolist()), grad.split(counts.tolist()))):
+            if rows.shape[0]:
+                out[e] = rows.t() @ g
+        return out
 
-def _grouped_matmul_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:  # noqa: ARG001
-    x, weight, counts = inputs
-    ctx.save_for_backward(x, weight, counts)
+    @weight_grad.register_fake
+    def _(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor, experts: int) -> torch.Tensor:  # noqa: ARG001
+        return x.new_empty(experts, x.shape[1], grad.shape[1])
 
+    def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:  # noqa: ARG001
+        x, weight, counts = inputs
+        ctx.save_for_backward(x, weight, counts)
 
-def _grouped_matmul_backward(ctx: Any, grad: torch.Tensor):
-    x, weight, counts = ctx.saved_tensors
-    grad = grad.contiguous()
-    grad_x = _grouped_matmul_op(grad, weight.transpose(1, 2), counts) if ctx.needs_input_grad[0] else None
-    grad_w = _grouped_weight_grad(x, grad, counts, weight.shape[0]) if ctx.needs_input_grad[1] else None
-    return grad_x, grad_w, None
+    def backward(ctx: Any, grad: torch.Tensor):
+        x, weight, counts = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grouped_matmul_op(grad, weight.transpose(1, 2), counts) if ctx.needs_input_grad[0] else None
+        grad_w = weight_grad(x, grad, counts, weight.shape[0]) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
 
-
-_grouped_matmul_op.register_autograd(_grouped_matmul_backward, setup_context=_grouped_matmul_setup)
+    grouped_matmul_op.register_autograd(backward, setup_context=setup)
+    _traced["grouped_matmul"] = grouped_matmul_op
+    return grouped_matmul_op
 
 
 # ---- npu: npu_grouped_matmul, forward and backward ------------------------------------------------------------------

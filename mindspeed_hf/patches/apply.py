@@ -16,6 +16,7 @@ from torch import nn
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS, register_attention, unregister_attention
+from ..ops.experts import define_traced_op
 from ..releases import compat
 from . import diffusion, experts, linear_attention, scope, third_party
 from .announce import announce as _announce
@@ -123,6 +124,8 @@ def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
         return
     for site in SITES:
         site.patch(family, module)
+    if family.experts:
+        define_traced_op()  # the experts op a compiled graph runs, ready before any of its models is built
     pretrained = getattr(module, family.pretrained)
     if default_attention:
         set_once(pretrained, "get_correct_attn_implementation",

@@ -76,6 +76,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3 import modeling_qwen3
 from mindspeed_hf.patches.engine import PATCHES
 assert PATCHES.is_patched(modeling_qwen3.Qwen3RMSNorm, 'forward'), 'qwen3 not patched at its import'
+import importlib
+experts = importlib.import_module('mindspeed_hf.ops.experts')
+assert not experts._traced, 'the compiled experts op was registered without an MoE family'
 torch.manual_seed(0)
 config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
@@ -87,13 +90,17 @@ mindspeed_hf.disable()
 plain = model(input_ids=ids, labels=ids).loss
 assert abs(ours.item() - plain.item()) < 1e-5, (ours.item(), plain.item())
 assert ran['rms_norm'] > 0 and ran['attention'] > 0, ran
+mindspeed_hf.enable()
+from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
+assert hasattr(torch.ops.mindspeed_hf, 'grouped_matmul'), 'an MoE family patched without its compiled experts op'
 print('ok')
 """
 
 
 def test_family_is_patched_when_its_modeling_module_is_imported():
-    """`import mindspeed_hf` imports no family's modeling module (import time); the module the user imports later
-    is patched right after its import, and its model's loss equals the plain one."""
+    """`import mindspeed_hf` imports no family's modeling module and registers no compiled experts op (import
+    time); the module the user imports later is patched right after its import, and its model's loss equals the
+    plain one; an MoE family's patch registers the op its compiled graphs run."""
     import os
     import subprocess
     import sys
