@@ -124,7 +124,7 @@ def _patch_family(family: ModelFamily, default_attention: bool = True) -> None:
         return
     for site in SITES:
         site.patch(family, module)
-    if family.experts:
+    if any(hasattr(module, name) for name in family.experts):  # the release has fused experts classes
         define_traced_op()  # the experts op a compiled graph runs, ready before any of its models is built
     pretrained = getattr(module, family.pretrained)
     if default_attention:
