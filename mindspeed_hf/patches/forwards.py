@@ -183,7 +183,7 @@ def _renamed(wrapper: Callable) -> str | None:
 
 
 def _ours(hooks: dict) -> bool:
-    return all(getattr(hook, "_mindspeed_scope", False) for hook in hooks.values())
+    return not hooks or all(getattr(hook, "_mindspeed_scope", False) for hook in hooks.values())
 
 
 def _plain_norm(norm: nn.Module, classes: tuple[type, ...]) -> bool:
@@ -265,7 +265,7 @@ def fused_layer_forward(original: Callable, shape: str, attn_args: tuple[str, ..
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         norm = getattr(self, fused_norm)
-        if renamed & set(kwargs) or not _plain_norm(norm, norm_classes):
+        if (renamed and not renamed.isdisjoint(kwargs)) or not _plain_norm(norm, norm_classes):
             return original(self, *args, **kwargs)
         named, extra = bind(self, args, kwargs)
         hidden_states = named["hidden_states"]
@@ -275,7 +275,10 @@ def fused_layer_forward(original: Callable, shape: str, attn_args: tuple[str, ..
         hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **passed)
         if shape == "sandwich":
             hidden_states = self.post_attention_layernorm(hidden_states)
-        with _norm_scope(norm, hidden_states):
+        if norm._forward_pre_hooks or norm._forward_hooks:
+            with _norm_scope(norm, hidden_states):
+                hidden_states, residual = add_rms_norm(residual, hidden_states, norm.weight, _norm_eps(norm), offset)
+        else:  # the layer entered the scope: the norm carries no hooks of its own
             hidden_states, residual = add_rms_norm(residual, hidden_states, norm.weight, _norm_eps(norm), offset)
         hidden_states = self.mlp(hidden_states)
         if shape == "sandwich":

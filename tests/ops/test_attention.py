@@ -119,6 +119,23 @@ def test_op_matches_hf_sdpa_fp32(backend, name, monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["right", "holes", "packed", "sliding_left"])
+def test_torch_masked_gqa_shares_kv_heads(name, monkeypatch):
+    """On CPU a masked call hands SDPA the key/value heads unrepeated (enable_gqa), where HF's sdpa repeats them:
+    HF's outputs, gradients within fp32 rounding, and no repeated keys/values kept for the backward."""
+    case = _case(name)
+    qkv = _qkv(case[4], case[5])
+    expected, expected_grads = _run("sdpa", sdpa_attention_forward, qkv, case)
+    calls, real = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append((k.shape[1], kw.get("enable_gqa"))) or real(q, k, v, **kw))
+    out, grads = _run(attention.ATTENTION_NAME, attention.attention_forward, qkv, case)
+    assert calls == [(NKV, True)]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["left", "sliding"])
 def test_op_matches_hf_eager_fp32(backend, name):
     case = _case(name)
