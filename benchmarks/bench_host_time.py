@@ -164,7 +164,7 @@ def main() -> None:
              ratio_line("whole process CPU seconds (import included)", pairs, "cpu_s"),
              ratio_line("training step wall (s, median of steps 6..)", pairs, "step_s"),
              ratio_line("training step CPU (s, median of steps 6..)", pairs, "step_cpu_s"),
-             ratio_line("`import mindspeed_hf` (s)", pairs, "import_s"),
+             ratio_line("`import mindspeed_hf` after torch / transformers / accelerate (CPU s)", pairs, "import_s"),
              "", f"max |loss diff| between the runs {diff:.2e}", *micro(args.pairs, args.calls)]
     emit("\n".join(lines) + "\n", args.out)
 

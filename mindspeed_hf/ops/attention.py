@@ -6,7 +6,7 @@ registered under the same name in `AttentionMaskInterface`: a name missing there
 so `mindspeed_mask` is registered too, and returns what the active backend consumes:
 
 - torch / cuda: HF's SDPA mask, and attention is HF's own `sdpa_attention_forward` (same results as "sdpa"); on
-  CPU a masked call of a GQA model shares the key/value heads in SDPA's kernel instead of repeating them.
+  CPU an fp32 masked call of a GQA model shares the key/value heads in SDPA's kernel instead of repeating them.
 - npu: a compact description instead of a [B,1,S,S] mask: None (plain causal), the 2-D padding mask, or HF's
   packed-sequence ids. `npu_fusion_attention` then runs BSND with the compressed 2048x2048 causal mask, or TND
   (padded / packed) with host cumulative lengths built once per step (see varlen.py). Whatever the op cannot do
@@ -99,19 +99,22 @@ def _eager(module, query, key, value, mask, dropout, scaling, softcap, is_causal
 
 
 def _shares_kv_heads(module, query, key, mask, kwargs) -> bool:
-    """A CPU training call with key/value heads shared by several query heads under a 4-D boolean mask of the
-    keys' length (a padded or packed batch), nothing else (no bias, no explicit causal flag): SDPA can share the
-    heads in its kernel (enable_gqa). HF repeats them first here (it shares them only without a mask, for CUDA's sake:
-    masked GQA leaves CUDA's fused kernels), which on CPU costs two copies forward and two sums backward per layer."""
-    return (query.is_cpu and getattr(module, "num_key_value_groups", 1) > 1 and isinstance(mask, torch.Tensor)
+    """An fp32 CPU call with key/value heads shared by several query heads under a 4-D boolean mask of the keys'
+    length (a padded or packed batch), nothing else (no bias, no explicit causal flag): SDPA can share the heads in
+    its kernel (enable_gqa). HF repeats them first here (it shares them only without a mask, for CUDA's sake: masked
+    GQA leaves CUDA's fused kernels), which on CPU costs two copies forward and two sums backward per layer. In fp32
+    sharing changes only the last bits of dK / dV (the group sum's order); in bf16 / fp16 HF rounds each repeated
+    head's gradient before summing, a difference training would show, so there HF's path runs."""
+    return (query.is_cpu and query.dtype == torch.float32 and getattr(module, "num_key_value_groups", 1) > 1
+            and isinstance(mask, torch.Tensor)
             and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[-1] == key.shape[-2]
             and kwargs.get("position_bias") is None and kwargs.get("is_causal") is not True
             and query.shape[1] == key.shape[1] * module.num_key_value_groups)
 
 
 def _reference(module, query, key, value, mask, dropout, scaling, softcap, kwargs):
-    """HF's SDPA attention on an SDPA-style mask (4-D bool/float or None); eager where SDPA cannot. On CPU a masked
-    GQA call shares the key/value heads in SDPA's kernel (HF's outputs; gradients within fp32 rounding)."""
+    """HF's SDPA attention on an SDPA-style mask (4-D bool/float or None); eager where SDPA cannot. On CPU an fp32
+    masked GQA call shares the key/value heads in SDPA's kernel (HF's outputs; gradients within fp32 rounding)."""
     if softcap is not None or kwargs.get("output_attentions"):
         return _eager(module, query, key, value, mask, dropout, scaling, softcap, _is_causal(module, kwargs))
     if _shares_kv_heads(module, query, key, mask, kwargs):

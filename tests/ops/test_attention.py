@@ -136,6 +136,19 @@ def test_torch_masked_gqa_shares_kv_heads(name, monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_torch_masked_gqa_bf16_keeps_hf_repeat(monkeypatch):
+    """In bf16 HF's repeated heads run (their per-head gradient roundings are HF's): the same bits as HF's sdpa."""
+    case = _case("right")
+    qkv = [t.detach().to(torch.bfloat16).requires_grad_() for t in _qkv(case[4], case[5])]
+    expected, expected_grads = _run("sdpa", sdpa_attention_forward, qkv, case)
+    calls, real = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append((k.shape[1], kw.get("enable_gqa"))) or real(q, k, v, **kw))
+    out, grads = _run(attention.ATTENTION_NAME, attention.attention_forward, qkv, case)
+    assert calls == [(NQ, None)]
+    assert torch.equal(out, expected) and all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+
+
 @pytest.mark.parametrize("name", ["left", "sliding"])
 def test_op_matches_hf_eager_fp32(backend, name):
     case = _case(name)
