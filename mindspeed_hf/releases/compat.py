@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 from transformers import masking_utils, modeling_rope_utils, modeling_utils
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -73,9 +74,7 @@ def _named_parameters(forward: Callable) -> frozenset[str] | None:
 def global_module_hooks() -> bool:
     """Whether any forward hook is registered for every module (`torch.nn.modules.module.
     register_module_forward_hook` / `_pre_hook`): a fused path that skips a module call would skip those too."""
-    from torch.nn.modules import module as torch_module
-
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
 
 
 def accepted_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
