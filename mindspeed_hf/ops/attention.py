@@ -105,8 +105,8 @@ def _shares_kv_heads(module, query, key, mask, kwargs) -> bool:
     GQA leaves CUDA's fused kernels), which on CPU costs two copies forward and two sums backward per layer. In fp32
     sharing changes only the last bits of dK / dV (the group sum's order); in bf16 / fp16 HF rounds each repeated
     head's gradient before summing, a difference training would show, so there HF's path runs."""
-    return (query.is_cpu and query.dtype == torch.float32 and getattr(module, "num_key_value_groups", 1) > 1
-            and isinstance(mask, torch.Tensor)
+    return (isinstance(mask, torch.Tensor) and query.is_cpu and query.dtype == torch.float32
+            and getattr(module, "num_key_value_groups", 1) > 1
             and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[-1] == key.shape[-2]
             and kwargs.get("position_bias") is None and kwargs.get("is_causal") is not True
             and query.shape[1] == key.shape[1] * module.num_key_value_groups)
