@@ -23,6 +23,7 @@ from torch import nn
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..releases import compat
+from .engine import PATCHES
 
 _running: contextvars.ContextVar[MindSpeedConfig | None] = contextvars.ContextVar("mindspeed_hf_config", default=None)
 _unread: contextvars.ContextVar[bool] = contextvars.ContextVar("mindspeed_hf_logits_unread", default=False)
@@ -182,6 +183,11 @@ def attach(hf_model: nn.Module, config: MindSpeedConfig, layers: tuple[nn.Module
     if config.backend != "auto":
         registry.validate_backend_name(config.backend, "backend")
     counts = ran(hf_model)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in hf_model.modules():
+        if isinstance(module, GradientCheckpointingLayer) and "forward" not in vars(module):
+            _self_scope(type(module))
     hooked, entering = _scoped_modules(hf_model, layers)
     for module in hooked:
         module.register_forward_pre_hook(_enter(config, counts))
@@ -242,22 +248,43 @@ def switch(op: str, fast: Callable, original: Callable, model_forward: bool = Fa
                     return run(*args, **kwargs)
             return run(*args, **kwargs)
     elif layer_forward:
-        @functools.wraps(original)
-        def dispatch(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            enter = self.__dict__.get(_ENTER)
-            if enter is None or torch.compiler.is_compiling() or _inside_scope(enter):
-                return run(self, *args, **kwargs)
-            enter(self, ())
-            try:
-                return run(self, *args, **kwargs)
-            finally:
-                _leave(self, (), None)
-
-        dispatch._mindspeed_enters_scope = True
+        dispatch = functools.wraps(original)(_entering_scope(run))
     else:
         dispatch = functools.wraps(original)(run)
     dispatch._mindspeed_op = op
     return dispatch
+
+
+def _entering_scope(run: Callable) -> Callable:
+    """`run(self, ...)` for a decoder layer's forward, entering the scope of the layer's model first (the entry that
+    `attach` left on the layer) where that scope is not current: in backward, where activation checkpointing reruns
+    the forward outside every hook."""
+
+    def dispatch(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        enter = self.__dict__.get(_ENTER)
+        if enter is None or torch.compiler.is_compiling() or _inside_scope(enter):
+            return run(self, *args, **kwargs)
+        enter(self, ())
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            _leave(self, (), None)
+
+    dispatch._mindspeed_enters_scope = True
+    return dispatch
+
+
+def _self_scope(layer_cls: type) -> None:
+    """Make `layer_cls`'s forward (the function transformers' checkpointing wrapper calls, where there is one) enter
+    its model's scope itself, HF's forward unchanged inside: its layers' parts then need no scope hooks, whose hooked
+    module calls cost more host time than the one check per layer call. Recorded in the process's patches (disable()
+    restores it); a forward already ours, or patched by us for another reason, stays."""
+    owner, name, function = layer_cls, "forward", layer_cls.forward
+    while (cell := compat.checkpointing_cell(function)) is not None:
+        owner, name, function = cell, "cell_contents", cell.cell_contents
+    if getattr(function, "_mindspeed_enters_scope", False) or PATCHES.is_patched(owner, name):
+        return
+    PATCHES.set(owner, name, functools.wraps(function)(_entering_scope(function)))
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import mindspeed_hf
 from mindspeed_hf.config import config_from_dict
 from mindspeed_hf.patches import FAMILIES
 from mindspeed_hf.patches.families import ModelFamily
+from mindspeed_hf.releases import compat
 from mindspeed_hf.releases.compat import checkpointing_cell, sdpa_replaceable
 
 # Text decoders (XForCausalLM heads); vision-language and third-party families have their own tests
@@ -134,6 +135,41 @@ def test_add_norm_keeps_gradient_checkpointing():
     # once in the forward, once more where checkpointing reran each layer in backward (outside every hook: counted
     # into the model's report by the layer's own scope entry)
     assert mindspeed_hf.report(model)["ran"]["add_rms_norm"] == 2 * model.config.num_hidden_layers
+
+
+def test_unfused_layers_enter_their_scope_under_gradient_checkpointing():
+    """A decoder layer whose forward is not one of the fused shapes (Phi-3) still enters its model's scope itself
+    (HF's forward inside): no scope hooks on it or its parts, the plain model's numbers, and the norms of the layers
+    that checkpointing reruns in backward counted into the model's report under the model's own config (one model
+    with rms_norm off beside the process config with it on); disable() puts HF's forward back."""
+    from transformers.models.phi3 import modeling_phi3
+
+    before = modeling_phi3.Phi3DecoderLayer.forward
+    inner_before = compat.layer_function(modeling_phi3.Phi3DecoderLayer)
+    model = tiny_model("phi3").train()
+    model.gradient_checkpointing_enable()
+    batch = padded_batch()
+    expected = loss_and_grads(model, batch)
+    mindspeed_hf.enable()
+    mindspeed_hf.apply_to_model(model)
+    assert getattr(compat.layer_function(modeling_phi3.Phi3DecoderLayer), "_mindspeed_enters_scope", False)
+    hooked = [m for m in model.model.layers.modules()
+              if any(getattr(h, "_mindspeed_scope", False) for h in (*m._forward_pre_hooks.values(),
+                                                                     *m._forward_hooks.values()))]
+    assert hooked == []
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
+    assert_close_grads(expected[1], grads)
+    layers = model.config.num_hidden_layers
+    # two norms per layer, forward and the rerun in backward, plus the final norm once
+    assert mindspeed_hf.report(model)["ran"]["rms_norm"] == 2 * 2 * layers + 1
+    mindspeed_hf.apply_to_model(model, config_from_dict({"kernels": {"rms_norm": False}}))
+    loss, grads = loss_and_grads(model, batch)
+    assert mindspeed_hf.report(model)["ran"]["rms_norm"] == 2 * 2 * layers + 1  # none more: off for this model
+    torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
+    mindspeed_hf.disable()
+    assert modeling_phi3.Phi3DecoderLayer.forward is before
+    assert compat.layer_function(modeling_phi3.Phi3DecoderLayer) is inner_before
 
 
 def test_models_built_while_enabled_use_kernels_and_survive_disable():
