@@ -3,9 +3,9 @@
 The kernels are patched into model classes once, for the whole process, so two models of one class (a trained
 policy and its frozen reference, two trainers in one notebook, an HPO sweep) share the patched code. What differs
 is the config each was given: `attach(model, config)` keeps it on the model and makes it *current* while that
-model runs (forward hooks on the model and its backbone; a decoder layer whose forward is our fused one enters
-the scope itself, other layers carry hooks on their parts, so that a layer recomputed in backward by activation
-checkpointing sees it too). Every patched function asks `current()` and runs HF's original code for an op that
+model runs (forward hooks on the model and its backbone; every decoder layer enters the scope itself, its fused
+forward or HF's own wrapped in the same entry, so that a layer recomputed in backward by activation checkpointing
+sees it too). Every patched function asks `current()` and runs HF's original code for an op that
 config switches off. Code outside any attached model sees the process config.
 """
 
@@ -142,10 +142,12 @@ def _scoped_modules(hf_model: nn.Module, layers: tuple[nn.Module, ...] = ()) -> 
     """(the modules that carry the scope hooks, the decoder layers that enter the scope themselves).
 
     Hooked: the model, its backbone (TRL calls it directly), nested loss heads (called on their own: Qwen3-Omni's code
-    predictor), and every decoder layer with its direct children: activation checkpointing reruns a layer's forward
-    body in backward (transformers 5 checkpoints `forward`, outside the layer's own hooks), and the children's hooks
-    run again there. A layer whose class runs one of our layer-scoped switches (`switch(..., layer_forward=True)`)
-    enters its model's scope itself, first thing, also where it is rerun: it and its children carry no hooks.
+    predictor), and every decoder layer that does not enter the scope itself with its direct children: activation
+    checkpointing reruns a layer's forward body in backward (transformers 5 checkpoints `forward`, outside the
+    layer's own hooks), and the children's hooks run again there. A layer whose class runs one of our layer-scoped
+    forwards (`switch(..., layer_forward=True)`, or HF's own wrapped by `_self_scope` when the model is attached)
+    enters its model's scope itself, first thing, also where it is rerun: it and its children carry no hooks (an
+    instance forward, selective recompute's, keeps the hooks).
     `layers`: more layers to hook (a diffusers denoiser's transformer blocks)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
