@@ -111,24 +111,34 @@ def test_add_norm_falls_back_where_the_norm_is_not_plainly_ours():
     assert mindspeed_hf.report(model)["add_rms_norm_layers"] == 0
 
 
+def _checkpointed_then_accelerated(model_type: str):
+    """(the tiny model with HF's gradient checkpointing on, a padded batch, its plain loss and gradients), the model
+    then accelerated."""
+    model = tiny_model(model_type).train()
+    model.gradient_checkpointing_enable()
+    batch = padded_batch()
+    expected = loss_and_grads(model, batch)
+    mindspeed_hf.enable()
+    mindspeed_hf.apply_to_model(model)
+    return model, batch, expected
+
+
+def _scope_hooked(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules under `root` (itself included) that carry our scope hooks."""
+    return [m for m in root.modules() if any(getattr(h, "_mindspeed_scope", False)
+                                             for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))]
+
+
 def test_add_norm_keeps_gradient_checkpointing():
     """With HF's gradient checkpointing on, the fused layers give the plain model's numbers, and transformers' own
     checkpointing wrapper of the layer forward (5.24+) stays in place: only what it calls is ours."""
     from transformers.models.llama import modeling_llama
 
     before = modeling_llama.LlamaDecoderLayer.forward
-    model = tiny_model("llama").train()
-    model.gradient_checkpointing_enable()
-    batch = padded_batch()
-    expected = loss_and_grads(model, batch)
-    mindspeed_hf.enable()
-    mindspeed_hf.apply_to_model(model)
+    model, batch, expected = _checkpointed_then_accelerated("llama")
     assert (modeling_llama.LlamaDecoderLayer.forward is before) == (checkpointing_cell(before) is not None)
     # a fused layer enters its model's scope itself, also where it is rerun: no hooks on it or its children
-    ours = [m for m in model.model.layers.modules()
-            if any(getattr(h, "_mindspeed_scope", False) for h in (*m._forward_pre_hooks.values(),
-                                                                   *m._forward_hooks.values()))]
-    assert ours == [] and any(getattr(h, "_mindspeed_scope", False) for h in model._forward_pre_hooks.values())
+    assert _scope_hooked(model.model.layers) == [] and _scope_hooked(model) != []
     loss, grads = loss_and_grads(model, batch)
     torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
     assert_close_grads(expected[1], grads)
@@ -146,17 +156,9 @@ def test_unfused_layers_enter_their_scope_under_gradient_checkpointing():
 
     before = modeling_phi3.Phi3DecoderLayer.forward
     inner_before = compat.layer_function(modeling_phi3.Phi3DecoderLayer)
-    model = tiny_model("phi3").train()
-    model.gradient_checkpointing_enable()
-    batch = padded_batch()
-    expected = loss_and_grads(model, batch)
-    mindspeed_hf.enable()
-    mindspeed_hf.apply_to_model(model)
+    model, batch, expected = _checkpointed_then_accelerated("phi3")
     assert getattr(compat.layer_function(modeling_phi3.Phi3DecoderLayer), "_mindspeed_enters_scope", False)
-    hooked = [m for m in model.model.layers.modules()
-              if any(getattr(h, "_mindspeed_scope", False) for h in (*m._forward_pre_hooks.values(),
-                                                                     *m._forward_hooks.values()))]
-    assert hooked == []
+    assert _scope_hooked(model.model.layers) == []
     loss, grads = loss_and_grads(model, batch)
     torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
     assert_close_grads(expected[1], grads)

@@ -119,17 +119,22 @@ def test_op_matches_hf_sdpa_fp32(backend, name, monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def _hf_then_ours_sdpa_calls(qkv, case, monkeypatch):
+    """(HF's sdpa result, ours, the (key heads, enable_gqa) of each SDPA call ours made)."""
+    expected = _run("sdpa", sdpa_attention_forward, qkv, case)
+    calls, real = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append((k.shape[1], kw.get("enable_gqa"))) or real(q, k, v, **kw))
+    return expected, _run(attention.ATTENTION_NAME, attention.attention_forward, qkv, case), calls
+
+
 @pytest.mark.parametrize("name", ["right", "holes", "packed", "sliding_left"])
 def test_torch_masked_gqa_shares_kv_heads(name, monkeypatch):
     """On CPU a masked call hands SDPA the key/value heads unrepeated (enable_gqa), where HF's sdpa repeats them:
     HF's outputs, gradients within fp32 rounding, and no repeated keys/values kept for the backward."""
     case = _case(name)
     qkv = _qkv(case[4], case[5])
-    expected, expected_grads = _run("sdpa", sdpa_attention_forward, qkv, case)
-    calls, real = [], torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda q, k, v, **kw: calls.append((k.shape[1], kw.get("enable_gqa"))) or real(q, k, v, **kw))
-    out, grads = _run(attention.ATTENTION_NAME, attention.attention_forward, qkv, case)
+    (expected, expected_grads), (out, grads), calls = _hf_then_ours_sdpa_calls(qkv, case, monkeypatch)
     assert calls == [(NKV, True)]
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     for got, want in zip(grads, expected_grads):
@@ -140,11 +145,7 @@ def test_torch_masked_gqa_bf16_keeps_hf_repeat(monkeypatch):
     """In bf16 HF's repeated heads run (their per-head gradient roundings are HF's): the same bits as HF's sdpa."""
     case = _case("right")
     qkv = [t.detach().to(torch.bfloat16).requires_grad_() for t in _qkv(case[4], case[5])]
-    expected, expected_grads = _run("sdpa", sdpa_attention_forward, qkv, case)
-    calls, real = [], torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda q, k, v, **kw: calls.append((k.shape[1], kw.get("enable_gqa"))) or real(q, k, v, **kw))
-    out, grads = _run(attention.ATTENTION_NAME, attention.attention_forward, qkv, case)
+    (expected, expected_grads), (out, grads), calls = _hf_then_ours_sdpa_calls(qkv, case, monkeypatch)
     assert calls == [(NQ, None)]
     assert torch.equal(out, expected) and all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
 
