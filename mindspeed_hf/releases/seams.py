@@ -445,10 +445,23 @@ def in_range(seam: Seam, version: Version | None = None) -> bool:
     return release >= Version(seam.since) and (seam.until is None or release < Version(seam.until))
 
 
-def missing(version: Version | None = None, required_only: bool = False) -> list[Seam]:
+# Seams read off transformers' Trainer and TrainingArguments: checking them imports the Trainer (and PEFT,
+# bitsandbytes, datasets with it), which enable() leaves to the first import of transformers.trainer.
+_TRAINER_KINDS = ("method", "attribute", "module", "arguments")
+TRAINER_MODULE = "transformers.trainer"
+
+
+def of_trainer(seam: Seam) -> bool:
+    """Whether `seam` belongs to transformers' Trainer or its arguments."""
+    return seam.kind in _TRAINER_KINDS or (seam.owner or "").startswith(("transformers.trainer",
+                                                                          "transformers.training_args"))
+
+
+def missing(version: Version | None = None, required_only: bool = False, trainer: bool = True) -> list[Seam]:
     """The seams the installed releases should have (by their dates) but do not, optional ones included unless
-    `required_only`. `version` stands for the installed transformers release."""
-    chosen = [s for s in SEAMS if s.required or not required_only]
+    `required_only`, the Trainer's unless `trainer` is False. `version` stands for the installed transformers
+    release."""
+    chosen = [s for s in SEAMS if (s.required or not required_only) and (trainer or not of_trainer(s))]
     return [s for s in chosen if in_range(s, version) and not _present(s)]
 
 
@@ -463,10 +476,10 @@ def _owner(seam: Seam) -> str:
     return f"{seam.package} {importlib.import_module(seam.package).__version__}"
 
 
-def problems() -> str | None:
-    """One line naming every required seam the installed releases lack (None when all are there). Changes nothing:
-    enable() asks before it patches anything."""
-    gone = missing(required_only=True)
+def problems(trainer: bool = True) -> str | None:
+    """One line naming every required seam the installed releases lack (None when all are there), the Trainer's
+    only if `trainer`. Changes nothing: enable() asks before it patches anything."""
+    gone = missing(required_only=True, trainer=trainer)
     if not gone:
         return None
     names = "; ".join(f"{_owner(s)} no longer has {s.name} ({s.why})" for s in gone)

@@ -8,12 +8,18 @@ point leaves every transformers symbol as it was before the call.
 
 from __future__ import annotations
 
+import logging
+import sys
+from types import ModuleType
+
 from ..config import MindSpeedConfig
 from ..parallel import quiesce_gloo_at_exit
-from ..patches import apply
+from ..patches import apply, third_party
 from ..releases import seams
 from ..runtime import install_accelerator_wiring, uninstall_accelerator_wiring
-from . import wiring
+
+logger = logging.getLogger("mindspeed_hf")
+_WIRING = "mindspeed_hf.trainers.wiring"
 
 __all__ = ["UnsupportedReleaseError", "disable", "enable"]
 
@@ -30,14 +36,18 @@ def enable(config: MindSpeedConfig | None = None) -> None:
     Raises (RuntimeError / ValueError, one line naming what is wrong) before changing anything when a release is
     outside the supported range, the config is invalid, or a Trainer internal the wiring needs is missing."""
     was_enabled = apply.is_enabled()
-    problem = seams.problems()
+    trainer_imported = seams.TRAINER_MODULE in sys.modules
+    problem = seams.problems(trainer=trainer_imported)
     if problem is not None:
         raise UnsupportedReleaseError(problem)
     apply.enable(config)
     quiesce_gloo_at_exit()  # Trainer's DDP, DeepSpeed and accelerate start gloo groups without init_distributed
     try:
         install_accelerator_wiring()
-        wiring.install_trainer_wiring()
+        if trainer_imported:
+            _wiring().install_trainer_wiring()
+        else:  # a script without a Trainer never imports it (nor PEFT, bitsandbytes, datasets through it)
+            third_party.when_imported(seams.TRAINER_MODULE, _wire_imported_trainer)
     except BaseException:
         if not was_enabled:
             uninstall_accelerator_wiring()
@@ -45,9 +55,29 @@ def enable(config: MindSpeedConfig | None = None) -> None:
         raise
 
 
+def _wiring() -> ModuleType:
+    from . import wiring
+
+    return wiring
+
+
+def _wire_imported_trainer(module: ModuleType) -> None:
+    """transformers.trainer was just imported (after enable()): wire it, once its seams are checked. A release
+    lacking one turns the accelerator off with one warning (as `import mindspeed_hf` does), rather than failing the
+    import that brought the Trainer in."""
+    problem = seams.problems()
+    if problem is not None:
+        logger.warning("%s. The accelerator stays off: nothing is patched any more, models run unaccelerated",
+                       problem)
+        disable()
+        return
+    _wiring().install_trainer_wiring()
+
+
 def disable() -> None:
     """Remove the Trainer and accelerate wiring and restore every patched symbol exactly. Models keep working,
     unaccelerated."""
-    wiring.uninstall_trainer_wiring()
+    if _WIRING in sys.modules:  # never imported: never installed
+        _wiring().uninstall_trainer_wiring()
     uninstall_accelerator_wiring()
     apply.disable()

@@ -254,3 +254,42 @@ def test_a_kernel_replaced_by_other_code_is_named(tmp_path, restore_wiring, capl
     lines = [r.getMessage() for r in caplog.records if "never ran" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("mindspeed_hf: rms_norm patched into Qwen3ForCausalLM")
     assert "Qwen3RMSNorm.forward (by other_kernels.rms_norm)" in lines[0]
+
+
+LAZY_TRAINER = """
+import sys
+import accelerate, torch, transformers
+import mindspeed_hf
+from mindspeed_hf.releases import seams
+heavy = [m for m in ('transformers.trainer', 'transformers.training_args', 'peft', 'datasets', 'bitsandbytes',
+                     'mindspeed_hf.trainers.wiring') if m in sys.modules]
+assert mindspeed_hf.is_enabled() and not heavy, heavy
+if sys.argv[1] == 'seam_gone':
+    real = seams.problems
+    seams.problems = lambda trainer=True: 'mindspeed_hf: transformers X no longer has Y' if trainer else real(False)
+from transformers import Trainer
+from mindspeed_hf.trainers import is_installed
+wired = getattr(Trainer.train, '_mindspeed_wiring', False)
+if sys.argv[1] == 'seam_gone':
+    assert not mindspeed_hf.is_enabled() and not wired and not is_installed()
+else:
+    assert wired and is_installed()
+    mindspeed_hf.disable()
+    assert not is_installed() and not getattr(Trainer.train, '_mindspeed_wiring', False)
+print('ok')
+"""
+
+
+@pytest.mark.parametrize("case", ["wired", "seam_gone"])
+def test_trainer_is_wired_when_it_is_imported(case):
+    """`import mindspeed_hf` in a script without a Trainer imports neither transformers' Trainer nor what it pulls
+    in (PEFT, bitsandbytes, datasets: seconds of start-up); the Trainer is wired right after its import, its seams
+    checked then: a release lacking one turns the accelerator off with one warning, the import itself succeeds."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "MINDSPEED_HF_AUTO": "1", "MINDSPEED_HF_BACKEND": "torch"}
+    done = subprocess.run([sys.executable, "-c", LAZY_TRAINER, case], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    assert ("The accelerator stays off" in done.stderr) == (case == "seam_gone")
