@@ -3,7 +3,9 @@
 
 Everything enable() depends on is checked before anything changes: the releases (releases/supported.py), the config
 and its backend, and the transformers / accelerate internals the wiring needs (releases/seams.py). A failure at any
-point leaves every transformers symbol as it was before the call.
+point leaves every transformers symbol as it was before the call. The Trainer is wired right away where
+transformers.trainer is imported already, else right after its first import (its seams checked then; a script that
+never imports it never pays for it: the Trainer pulls in PEFT, bitsandbytes and datasets).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ def enable(config: MindSpeedConfig | None = None) -> None:
     SFTTrainer behaves like MindSpeedTrainer). Idempotent.
 
     Raises (RuntimeError / ValueError, one line naming what is wrong) before changing anything when a release is
-    outside the supported range, the config is invalid, or a Trainer internal the wiring needs is missing."""
+    outside the supported range, the config is invalid, or a Trainer internal the wiring needs is missing (checked
+    here when transformers.trainer is imported already; else at its import, where a missing one turns the
+    accelerator off with one warning)."""
     was_enabled = apply.is_enabled()
     trainer_imported = seams.TRAINER_MODULE in sys.modules
     problem = seams.problems(trainer=trainer_imported)
