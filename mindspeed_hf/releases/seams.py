@@ -448,9 +448,7 @@ def in_range(seam: Seam, version: Version | None = None) -> bool:
 # Seams read off transformers' Trainer and TrainingArguments: checking them imports the Trainer (and PEFT,
 # bitsandbytes, datasets with it), which enable() leaves to the first import of transformers.trainer.
 _TRAINER_KINDS = ("method", "attribute", "module", "arguments")
-#: The modules whose import brings the Trainer wiring in (a script that builds TrainingArguments before it imports
-#: the Trainer gets its arguments' wrapper too).
-TRAINER_MODULES = ("transformers.trainer", "transformers.training_args")
+TRAINER_MODULE = "transformers.trainer"
 
 
 def of_trainer(seam: Seam) -> bool:

@@ -40,7 +40,7 @@ def enable(config: MindSpeedConfig | None = None) -> None:
     here when transformers.trainer is imported already; else at its import, where a missing one turns the
     accelerator off with one warning)."""
     was_enabled = apply.is_enabled()
-    trainer_imported = any(name in sys.modules for name in seams.TRAINER_MODULES)
+    trainer_imported = seams.TRAINER_MODULE in sys.modules
     problem = seams.problems(trainer=trainer_imported)
     if problem is not None:
         raise UnsupportedReleaseError(problem)
@@ -51,8 +51,7 @@ def enable(config: MindSpeedConfig | None = None) -> None:
         if trainer_imported:
             _wiring().install_trainer_wiring()
         else:  # a script without a Trainer never imports it (nor PEFT, bitsandbytes, datasets through it)
-            for name in seams.TRAINER_MODULES:
-                third_party.when_imported(name, _wire_imported_trainer)
+            third_party.when_imported(seams.TRAINER_MODULE, _wire_imported_trainer)
     except BaseException:
         if not was_enabled:
             uninstall_accelerator_wiring()
@@ -67,14 +66,9 @@ def _wiring() -> ModuleType:
 
 
 def _wire_imported_trainer(module: ModuleType) -> None:
-    """transformers.trainer or its arguments were just imported (after enable()): wire the Trainer, once its seams
-    are checked. A release lacking one turns the accelerator off with one warning (as `import mindspeed_hf` does),
-    rather than failing the import that brought the Trainer in."""
-    trainer = seams.TRAINER_MODULES[0]
-    if module.__name__ != trainer and trainer in sys.modules:
-        return  # the Trainer's own import is under way (it imports its arguments): wired once it has run
-    if not apply.is_enabled() or _WIRING in sys.modules and _wiring().is_installed():
-        return  # disabled in between, or wired already
+    """transformers.trainer was just imported (after enable()): wire it, once its seams are checked. A release
+    lacking one turns the accelerator off with one warning (as `import mindspeed_hf` does), rather than failing the
+    import that brought the Trainer in."""
     problem = seams.problems()
     if problem is not None:
         logger.warning("%s. The accelerator stays off: nothing is patched any more, models run unaccelerated",
