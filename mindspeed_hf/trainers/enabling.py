@@ -69,6 +69,8 @@ def _wire_imported_trainer(module: ModuleType) -> None:
     """transformers.trainer was just imported (after enable()): wire it, once its seams are checked. A release
     lacking one turns the accelerator off with one warning (as `import mindspeed_hf` does), rather than failing the
     import that brought the Trainer in."""
+    if _WIRING in sys.modules and _wiring().is_installed():
+        return  # wired already (enable() called again before the import)
     problem = seams.problems()
     if problem is not None:
         logger.warning("%s. The accelerator stays off: nothing is patched any more, models run unaccelerated",
