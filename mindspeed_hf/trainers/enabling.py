@@ -22,6 +22,8 @@ from ..runtime import install_accelerator_wiring, uninstall_accelerator_wiring
 
 logger = logging.getLogger("mindspeed_hf")
 _WIRING = "mindspeed_hf.trainers.wiring"
+_ARGUMENTS_WIRING = "mindspeed_hf.trainers.arguments_wiring"
+ARGUMENTS_MODULE = "transformers.training_args"
 
 __all__ = ["UnsupportedReleaseError", "disable", "enable"]
 
@@ -51,6 +53,7 @@ def enable(config: MindSpeedConfig | None = None) -> None:
         if trainer_imported:
             _wiring().install_trainer_wiring()
         else:  # a script without a Trainer never imports it (nor PEFT, bitsandbytes, datasets through it)
+            third_party.when_imported(ARGUMENTS_MODULE, _wire_imported_arguments)
             third_party.when_imported(seams.TRAINER_MODULE, _wire_imported_trainer)
     except BaseException:
         if not was_enabled:
@@ -63,6 +66,18 @@ def _wiring() -> ModuleType:
     from . import wiring
 
     return wiring
+
+
+def _wire_imported_arguments(module: ModuleType) -> None:
+    """transformers' training_args module was just imported (maybe while transformers is still importing the
+    Trainer's modules): wrap TrainingArguments.__post_init__ alone, which imports nothing of transformers, so that
+    arguments built before the Trainer is imported get their DeepSpeed steps too. Its seam is checked with the
+    Trainer's; a release without the method keeps it unwrapped until then."""
+    from .arguments_wiring import install_arguments_wiring
+
+    arguments = getattr(module, "TrainingArguments", None)
+    if arguments is not None and "__post_init__" in vars(arguments):
+        install_arguments_wiring(arguments)
 
 
 def _wire_imported_trainer(module: ModuleType) -> None:
@@ -85,5 +100,7 @@ def disable() -> None:
     unaccelerated."""
     if _WIRING in sys.modules:  # never imported: never installed
         _wiring().uninstall_trainer_wiring()
+    if _ARGUMENTS_WIRING in sys.modules:
+        sys.modules[_ARGUMENTS_WIRING].uninstall_arguments_wiring()
     uninstall_accelerator_wiring()
     apply.disable()

@@ -16,21 +16,19 @@ is wrapped for DeepSpeed
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from ..errors import say_once_if_uncaught
 from ..moe import with_load
 from ..patches import scope
 from ..patches.engine import PatchSet
 from ..releases import seams
 from ..runtime import run_of
-from . import batching, deepspeed, fsdp, lifecycle, starting
+from . import batching, fsdp, lifecycle, starting
+from .arguments_wiring import install_arguments_wiring, one_line_if_uncaught, uninstall_arguments_wiring
 from .context import split_inputs
-from .notices import ddp_notice_held
 
 _patches = PatchSet()
 
@@ -42,27 +40,16 @@ def _wrap_init(original: Callable) -> Callable:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Find `model` and `args` however the caller passed them (positionally or by keyword).
         bound = signature.bind(self, *args, **kwargs)
-        with _one_line_if_uncaught():
+        with one_line_if_uncaught():
             lifecycle.start(self, bound.arguments.get("args"))
             model = bound.arguments.get("model")
             if model is not None:
                 bound.arguments["model"] = lifecycle.prepare_model(self, model)
         original(*bound.args, **bound.kwargs)
-        with _one_line_if_uncaught():
+        with one_line_if_uncaught():
             lifecycle.after_init(self)
 
     return __init__
-
-
-@contextlib.contextmanager
-def _one_line_if_uncaught() -> Iterator[None]:
-    """A mistake found while the trainer is built (a setting, its source and the valid choices): raised as usual,
-    and if nobody catches it, one line from rank 0 and every rank exits 1 without a traceback (errors.py)."""
-    try:
-        yield
-    except (ValueError, FileNotFoundError) as err:
-        say_once_if_uncaught(err)
-        raise
 
 
 def _wrap_call_model_init(original: Callable) -> Callable:
@@ -198,23 +185,6 @@ def _wrappers() -> dict[str, Callable[[Callable], Callable]]:
     return wrappers
 
 
-def _wrap_arguments_post_init(original: Callable) -> Callable:
-    """TrainingArguments.__post_init__ with the DeepSpeed steps around it (trainers/deepspeed.py): use_cpu for a
-    CPU multi-process run before the devices are set up; afterwards the refusal of our parallelism with DeepSpeed
-    and deepspeed.comm initialised, so a ZeRO-3 model built next under zero.Init is partitioned over every rank."""
-
-    @functools.wraps(original)
-    def __post_init__(self) -> None:
-        with _one_line_if_uncaught():
-            deepspeed.before_arguments(self)
-        with ddp_notice_held(self):  # released once the trainer knows whether we shard (release_ddp_notice)
-            original(self)
-        with _one_line_if_uncaught():
-            deepspeed.after_arguments(self)
-
-    return __post_init__
-
-
 def install_trainer_wiring() -> None:
     """Wrap transformers.Trainer's __init__, call_model_init, train and the FSDP2 methods on the class, and
     TrainingArguments.__post_init__ (DeepSpeed). Idempotent. Fails (RuntimeError naming the transformers release)
@@ -230,14 +200,13 @@ def install_trainer_wiring() -> None:
         wrapped = wrap(vars(Trainer)[name])
         wrapped._mindspeed_wiring = True
         _patches.set(Trainer, name, wrapped)
-    post_init = _wrap_arguments_post_init(vars(TrainingArguments)["__post_init__"])
-    post_init._mindspeed_wiring = True
-    _patches.set(TrainingArguments, "__post_init__", post_init)
+    install_arguments_wiring(TrainingArguments)
 
 
 def uninstall_trainer_wiring() -> None:
-    """Put Trainer's original methods back (the exact function objects). Idempotent."""
+    """Put Trainer's (and TrainingArguments') original methods back (the exact function objects). Idempotent."""
     _patches.restore_all()
+    uninstall_arguments_wiring()
 
 
 def is_installed() -> bool:

@@ -267,6 +267,10 @@ assert mindspeed_hf.is_enabled() and not heavy, heavy
 if sys.argv[1] == 'seam_gone':
     real = seams.problems
     seams.problems = lambda trainer=True: 'mindspeed_hf: transformers X no longer has Y' if trainer else real(False)
+if sys.argv[1] == 'arguments_first':  # built before the Trainer is imported: its DeepSpeed steps are wired
+    from transformers import TrainingArguments
+    assert getattr(TrainingArguments.__post_init__, '_mindspeed_wiring', False)
+    assert 'transformers.trainer' not in sys.modules
 from transformers import Trainer
 from mindspeed_hf.trainers import is_installed
 wired = getattr(Trainer.train, '_mindspeed_wiring', False)
@@ -276,15 +280,18 @@ else:
     assert wired and is_installed()
     mindspeed_hf.disable()
     assert not is_installed() and not getattr(Trainer.train, '_mindspeed_wiring', False)
+    from transformers import TrainingArguments
+    assert not getattr(TrainingArguments.__post_init__, '_mindspeed_wiring', False)
 print('ok')
 """
 
 
-@pytest.mark.parametrize("case", ["wired", "seam_gone"])
+@pytest.mark.parametrize("case", ["wired", "arguments_first", "seam_gone"])
 def test_trainer_is_wired_when_it_is_imported(case):
     """`import mindspeed_hf` in a script without a Trainer imports neither transformers' Trainer nor what it pulls
     in (PEFT, bitsandbytes, datasets: seconds of start-up); the Trainer is wired right after its import, its seams
-    checked then: a release lacking one turns the accelerator off with one warning, the import itself succeeds."""
+    checked then (TrainingArguments' DeepSpeed steps are wired at their own import, which may come first): a release
+    lacking one turns the accelerator off with one warning, the import itself succeeds."""
     import os
     import subprocess
 
