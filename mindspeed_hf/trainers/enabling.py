@@ -5,7 +5,8 @@ Everything enable() depends on is checked before anything changes: the releases 
 and its backend, and the transformers / accelerate internals the wiring needs (releases/seams.py). A failure at any
 point leaves every transformers symbol as it was before the call. The Trainer is wired right away where
 transformers.trainer is imported already, else right after its first import (its seams checked then; a script that
-never imports it never pays for it: the Trainer pulls in PEFT, bitsandbytes and datasets).
+never imports it never pays for it: the Trainer pulls in PEFT, bitsandbytes and datasets), and TrainingArguments'
+own wrapper right after the arguments' import (arguments_wiring.py), which may come first.
 """
 
 from __future__ import annotations
