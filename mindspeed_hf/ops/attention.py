@@ -98,14 +98,15 @@ def _eager(module, query, key, value, mask, dropout, scaling, softcap, is_causal
     return out, weights
 
 
-def _shares_kv_heads(module, query, key, mask, kwargs) -> bool:
+def _shares_kv_heads(module, query, key, mask, dropout, kwargs) -> bool:
     """An fp32 CPU call with key/value heads shared by several query heads under a 4-D boolean mask of the keys'
-    length (a padded or packed batch), nothing else (no bias, no explicit causal flag): SDPA can share the heads in
-    its kernel (enable_gqa). HF repeats them first here (it shares them only without a mask, for CUDA's sake: masked
-    GQA leaves CUDA's fused kernels), which on CPU costs two copies forward and two sums backward per layer. In fp32
-    sharing changes only the last bits of dK / dV (the group sum's order); in bf16 / fp16 HF rounds each repeated
-    head's gradient before summing, a difference training would show, so there HF's path runs."""
-    return (isinstance(mask, torch.Tensor) and query.is_cpu and query.dtype == torch.float32
+    length (a padded or packed batch), nothing else (no bias, no explicit causal flag, no dropout: its random mask
+    would be drawn by another kernel than HF's): SDPA can share the heads in its kernel (enable_gqa). HF repeats them
+    first here (it shares them only without a mask, for CUDA's sake: masked GQA leaves CUDA's fused kernels), which
+    on CPU costs two copies forward and two sums backward per layer. In fp32 sharing changes only the last bits of
+    dK / dV (the group sum's order); in bf16 / fp16 HF rounds each repeated head's gradient before summing, a
+    difference training would show, so there HF's path runs."""
+    return (isinstance(mask, torch.Tensor) and query.is_cpu and query.dtype == torch.float32 and not dropout
             and getattr(module, "num_key_value_groups", 1) > 1
             and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[-1] == key.shape[-2]
             and kwargs.get("position_bias") is None and kwargs.get("is_causal") is not True
@@ -117,7 +118,7 @@ def _reference(module, query, key, value, mask, dropout, scaling, softcap, kwarg
     masked GQA call shares the key/value heads in SDPA's kernel (HF's outputs; gradients within fp32 rounding)."""
     if softcap is not None or kwargs.get("output_attentions"):
         return _eager(module, query, key, value, mask, dropout, scaling, softcap, _is_causal(module, kwargs))
-    if _shares_kv_heads(module, query, key, mask, kwargs):
+    if _shares_kv_heads(module, query, key, mask, dropout, kwargs):
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
                                                                scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None

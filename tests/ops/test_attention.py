@@ -150,6 +150,16 @@ def test_torch_masked_gqa_bf16_keeps_hf_repeat(monkeypatch):
     assert torch.equal(out, expected) and all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
 
 
+def test_torch_masked_gqa_with_dropout_keeps_hf_repeat(monkeypatch):
+    """With attention dropout HF's repeated heads run: its random mask is drawn by HF's kernel call."""
+    case = _case("right")
+    calls, real = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append((k.shape[1], kw.get("enable_gqa"))) or real(q, k, v, **kw))
+    _run(attention.ATTENTION_NAME, attention.attention_forward, _qkv(case[4], case[5]), case, dropout=0.1)
+    assert calls == [(NQ, None)]
+
+
 @pytest.mark.parametrize("name", ["left", "sliding"])
 def test_op_matches_hf_eager_fp32(backend, name):
     case = _case(name)
