@@ -96,8 +96,8 @@ def stacks(x: torch.Tensor, layers: Sequence[object]) -> bool:
 def project(x: torch.Tensor, layers: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
     """`tuple(layer(x) for layer in layers)`, as one stacked matmul where `stacks` (counted as stacked_linear in
     report()["ran"] only then)."""
-    if select("stacked_linear", x.device).backend == "torch" or not stackable(x, layers):
-        return tuple([layer(x) for layer in layers])
+    if not stacks(x, layers):
+        return _separate(x, layers)
     return run("stacked_linear", x.device)(x, layers)
 
 
