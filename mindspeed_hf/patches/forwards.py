@@ -275,10 +275,9 @@ def fused_layer_forward(original: Callable, shape: str, attn_args: tuple[str, ..
         hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **passed)
         if shape == "sandwich":
             hidden_states = self.post_attention_layernorm(hidden_states)
-        if norm._forward_pre_hooks or norm._forward_hooks:
-            with _norm_scope(norm, hidden_states):
-                hidden_states, residual = add_rms_norm(residual, hidden_states, norm.weight, _norm_eps(norm), offset)
-        else:  # the layer entered the scope: the norm carries no hooks of its own
+        # the layer entered the scope: the norm carries no hooks of its own unless the layer runs past its class forward
+        hooked = norm._forward_pre_hooks or norm._forward_hooks
+        with _norm_scope(norm, hidden_states) if hooked else contextlib.nullcontext():
             hidden_states, residual = add_rms_norm(residual, hidden_states, norm.weight, _norm_eps(norm), offset)
         hidden_states = self.mlp(hidden_states)
         if shape == "sandwich":

@@ -281,9 +281,8 @@ def _self_scope(layer_cls: type) -> None:
     its model's scope itself, HF's forward unchanged inside: its layers' parts then need no scope hooks, whose hooked
     module calls cost more host time than the one check per layer call. Recorded in the process's patches (disable()
     restores it); a forward already ours, or patched by us for another reason, stays."""
-    owner, name, function = layer_cls, "forward", layer_cls.forward
-    while (cell := compat.checkpointing_cell(function)) is not None:
-        owner, name, function = cell, "cell_contents", cell.cell_contents
+    owner, name = compat.layer_forward_slot(layer_cls)
+    function = getattr(owner, name)
     if getattr(function, "_mindspeed_enters_scope", False) or PATCHES.is_patched(owner, name):
         return
     PATCHES.set(owner, name, functools.wraps(function)(_entering_scope(function)))

@@ -383,10 +383,16 @@ def checkpointing_cell(forward: Callable) -> types.CellType | None:
     return forward.__closure__[code.co_freevars.index("forward")]
 
 
-def layer_function(layer_cls: type) -> Callable:
-    """The forward function a decoder-layer class runs: its `forward`, or (>= 5.24) what transformers'
-    checkpointing wrappers call, followed through every wrapper (FSDP2's subclass of a layer class is wrapped again)."""
-    function = layer_cls.forward
+def layer_forward_slot(layer_cls: type) -> tuple[Any, str]:
+    """(owner, name) holding the forward function a decoder-layer class runs: (the class, "forward"), or (>= 5.24) the
+    closure cell of what transformers' checkpointing wrappers call, followed through every wrapper (FSDP2's subclass
+    of a layer class is wrapped again): replacing it there keeps the wrappers, and with them checkpointing."""
+    owner, name, function = layer_cls, "forward", layer_cls.forward
     while (cell := checkpointing_cell(function)) is not None:
-        function = cell.cell_contents
-    return function
+        owner, name, function = cell, "cell_contents", cell.cell_contents
+    return owner, name
+
+
+def layer_function(layer_cls: type) -> Callable:
+    """The forward function a decoder-layer class runs (at `layer_forward_slot`)."""
+    return getattr(*layer_forward_slot(layer_cls))

@@ -448,7 +448,6 @@ def in_range(seam: Seam, version: Version | None = None) -> bool:
 # Seams read off transformers' Trainer and TrainingArguments: checking them imports the Trainer (and PEFT,
 # bitsandbytes, datasets with it), which enable() leaves to the first import of transformers.trainer.
 _TRAINER_KINDS = ("method", "attribute", "module", "arguments")
-TRAINER_MODULE = "transformers.trainer"
 
 
 def of_trainer(seam: Seam) -> bool:

@@ -20,10 +20,11 @@ from ..parallel import quiesce_gloo_at_exit
 from ..patches import apply, third_party
 from ..releases import seams
 from ..runtime import install_accelerator_wiring, uninstall_accelerator_wiring
+from .arguments_wiring import install_arguments_wiring, uninstall_arguments_wiring
 
 logger = logging.getLogger("mindspeed_hf")
-_WIRING = "mindspeed_hf.trainers.wiring"
-_ARGUMENTS_WIRING = "mindspeed_hf.trainers.arguments_wiring"
+_WIRING = "mindspeed_hf.trainers.wiring"  # imported with the Trainer only: its modules import the Trainer's
+TRAINER_MODULE = "transformers.trainer"
 ARGUMENTS_MODULE = "transformers.training_args"
 
 __all__ = ["UnsupportedReleaseError", "disable", "enable"]
@@ -43,7 +44,7 @@ def enable(config: MindSpeedConfig | None = None) -> None:
     here when transformers.trainer is imported already; else at its import, where a missing one turns the
     accelerator off with one warning)."""
     was_enabled = apply.is_enabled()
-    trainer_imported = seams.TRAINER_MODULE in sys.modules
+    trainer_imported = TRAINER_MODULE in sys.modules
     problem = seams.problems(trainer=trainer_imported)
     if problem is not None:
         raise UnsupportedReleaseError(problem)
@@ -55,7 +56,7 @@ def enable(config: MindSpeedConfig | None = None) -> None:
             _wiring().install_trainer_wiring()
         else:  # a script without a Trainer never imports it (nor PEFT, bitsandbytes, datasets through it)
             third_party.when_imported(ARGUMENTS_MODULE, _wire_imported_arguments)
-            third_party.when_imported(seams.TRAINER_MODULE, _wire_imported_trainer)
+            third_party.when_imported(TRAINER_MODULE, _wire_imported_trainer)
     except BaseException:
         if not was_enabled:
             uninstall_accelerator_wiring()
@@ -73,12 +74,9 @@ def _wire_imported_arguments(module: ModuleType) -> None:
     """transformers' training_args module was just imported (maybe while transformers is still importing the
     Trainer's modules): wrap TrainingArguments.__post_init__ alone, which imports nothing of transformers, so that
     arguments built before the Trainer is imported get their DeepSpeed steps too. Its seam is checked with the
-    Trainer's; a release without the method keeps it unwrapped until then."""
-    from .arguments_wiring import install_arguments_wiring
-
-    arguments = getattr(module, "TrainingArguments", None)
-    if arguments is not None and "__post_init__" in vars(arguments):
-        install_arguments_wiring(arguments)
+    Trainer's (seams.py); a release without the method keeps it unwrapped."""
+    if seams.available("__post_init__"):
+        install_arguments_wiring(module.TrainingArguments)
 
 
 def _wire_imported_trainer(module: ModuleType) -> None:
@@ -101,7 +99,6 @@ def disable() -> None:
     unaccelerated."""
     if _WIRING in sys.modules:  # never imported: never installed
         _wiring().uninstall_trainer_wiring()
-    if _ARGUMENTS_WIRING in sys.modules:
-        sys.modules[_ARGUMENTS_WIRING].uninstall_arguments_wiring()
+    uninstall_arguments_wiring()
     uninstall_accelerator_wiring()
     apply.disable()

@@ -23,8 +23,7 @@ def patch(family: ModelFamily, module: ModuleType) -> None:
     layer = getattr(module, family.decoder_layer, None) if family.decoder_layer else None
     if layer is None:
         return
-    cell = compat.checkpointing_cell(layer.forward)
-    owner, name = (cell, "cell_contents") if cell else (layer, "forward")
+    owner, name = compat.layer_forward_slot(layer)
     if PATCHES.is_patched(owner, name):
         return
     fused = forwards.fused_layer(getattr(owner, name), norms, family.offset_rms_norm)
