@@ -94,6 +94,8 @@ def test_outside_the_supported_versions_import_warns_and_stays_off():
     script = ("import importlib.metadata as m\n"
               "real = m.version\n"
               "m.version = lambda p: '4.40.0' if p == 'transformers' else real(p)\n"
+              "import transformers\n"  # read from the imported package where it is (supported.installed)
+              "transformers.__version__ = '4.40.0'\n"
               "import mindspeed_hf\n"
               "print('enabled', mindspeed_hf.is_enabled())\n"
               "try:\n"
@@ -116,3 +118,21 @@ def test_supported_ranges_match_the_package_metadata():
     for package, (low, high) in supported.SUPPORTED.items():
         assert f"{package}>={low},<{high}" in setup
     assert supported.unsupported() == []
+
+
+def test_installed_release_is_the_metadata_one_imported_or_not():
+    """supported.installed reads an imported package's __version__: the same release its metadata gives."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    from mindspeed_hf.releases import supported
+
+    for package in supported.SUPPORTED:
+        try:
+            expected = Version(metadata.version(package))
+        except metadata.PackageNotFoundError:
+            assert supported.installed(package) is None
+            continue
+        __import__(package)
+        assert supported.installed(package) == expected

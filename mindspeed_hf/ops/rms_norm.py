@@ -18,9 +18,10 @@ from .registry import register, run
 @register("rms_norm", "torch", name="torch")
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
     if x.dtype == weight.dtype == torch.float32 and x.is_cpu:
-        # torch's own rms_norm: one dispatched op for HF's five, the same bits forward and backward in fp32 on CPU
-        # (no casts to reorder; tests/ops/test_rms_norm_fp32.py checks it against HF's modules on the torch CI
-        # installs: 2.13 at both ends of the tested range)
+        # torch's own rms_norm: the same bits forward and backward in fp32 on CPU (no casts to reorder;
+        # tests/ops/test_rms_norm_fp32.py checks it against HF's modules on the torch CI installs: 2.13 at both ends
+        # of the tested range). One fused op without autograd; under autograd torch 2.13 runs HF's decomposition
+        # itself (pow, mean, add, rsqrt, mul): no fewer ops then, and no slower (docs/host_time.md)
         return torch.rms_norm(x, (x.shape[-1],), (1.0 + weight) if offset else weight, eps)
     input_dtype = x.dtype
     x32 = x.to(torch.float32)
