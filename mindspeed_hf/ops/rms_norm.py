@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..device import import_torch_npu
-from .registry import register, run
+from .registry import register, run, select
 
 
 @register("rms_norm", "torch", name="torch")
@@ -90,6 +90,14 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     fused = run("add_rms_norm", x.device)
     run("rms_norm", x.device)  # the norm ran on our kernel too: report()["ran"] counts it as an rms_norm as well
     return fused(residual, x, weight, eps, offset)
+
+
+def add_rms_norm_fuses(device: torch.device | str) -> bool:
+    """Whether the backend for `device` has an add+norm kernel of its own (npu). Elsewhere add_rms_norm is HF's add
+    and norm, the same ops a decoder layer runs itself: there the layer's own forward runs, with less Python (the
+    fused layer forward cost 26 us more per layer than HF's on the torch backend, docs/host_time.md), its norms on
+    the rms_norm kernel (liger's on CUDA)."""
+    return select("add_rms_norm", device).backend != "torch"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:

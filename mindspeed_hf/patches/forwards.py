@@ -2,11 +2,12 @@
 PEFT adapters, FSDP hooks and HF's casting rules keep working; only the math goes to a fused kernel. Every
 function carries `_mindspeed_op` so report() can count what really runs.
 
-Decoder layers: the residual add before a norm becomes one add+norm kernel (ops.rms_norm.add_rms_norm). A layer
-forward is replaced only where HF's own forward is, statement for statement, one of the shapes in LAYER_SHAPES
-(read from its source when the family is patched): anything else keeps HF's forward, so the fused forward is
-always HF's code with the add and the norm fused. At run time a norm that is not plainly ours (a hook, an instance
-forward such as selective recompute's, another class, DTensor weights) runs as HF runs it.
+Decoder layers: the residual add before a norm becomes one add+norm kernel (ops.rms_norm.add_rms_norm) where the
+backend has one (npu). A layer forward is replaced only where HF's own forward is, statement for statement, one of
+the shapes in LAYER_SHAPES (read from its source when the family is patched): anything else keeps HF's forward, so
+the fused forward is always HF's code with the add and the norm fused. At run time HF's layer forward runs instead
+on a backend without an add+norm kernel (torch, cuda: the same ops, less Python) and where the norm is not plainly
+ours (a hook, an instance forward such as selective recompute's, another class, DTensor weights).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from ..ops.linear import project, stacks
-from ..ops.rms_norm import add_rms_norm, rms_norm
+from ..ops.rms_norm import add_rms_norm, add_rms_norm_fuses, rms_norm
 from ..ops.rotary import apply_rotary_pos_emb
 from ..ops.swiglu import swiglu, swiglu_packed
 from ..releases import compat
@@ -265,7 +266,8 @@ def fused_layer_forward(original: Callable, shape: str, attn_args: tuple[str, ..
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         norm = getattr(self, fused_norm)
-        if (renamed and not renamed.isdisjoint(kwargs)) or not _plain_norm(norm, norm_classes):
+        if (renamed and not renamed.isdisjoint(kwargs)) or not add_rms_norm_fuses(norm.weight.device) \
+                or not _plain_norm(norm, norm_classes):
             return original(self, *args, **kwargs)
         named, extra = bind(self, args, kwargs)
         hidden_states = named["hidden_states"]

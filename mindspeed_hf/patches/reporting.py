@@ -12,6 +12,7 @@ from torch import nn
 from ..device import model_device
 from ..ops import registry
 from ..ops.attention import OUR_ATTENTIONS
+from ..ops.rms_norm import add_rms_norm_fuses
 from ..releases import compat
 from . import experts, multimodal, quantized, scope, third_party
 from .engine import FUSED_LAYERS, PATCHES
@@ -117,7 +118,9 @@ def report(model: nn.Module) -> dict[str, Any]:
             "kernels": counts,
             "implementations": {op: registry.implementation(op, device) for op in (*OPS, *REPORTED_AS)
                                 if op in registry.registered_ops()},
-            "add_rms_norm_layers": layers,  # decoder layers whose residual add is fused into the norm after it
+            # decoder layers whose residual add runs fused into the norm after it (none on a backend without an
+            # add+norm kernel: HF's layer forward runs there, ops.rms_norm.add_rms_norm_fuses)
+            "add_rms_norm_layers": layers if add_rms_norm_fuses(device) else 0,
             "attention_implementation": compat.attn_implementation(getattr(hf_model, "config", None)),
             "skip_logits": None if config is None or not counts["fused_linear_cross_entropy"] else
             config.kernels.skip_logits,

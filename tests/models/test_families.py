@@ -70,8 +70,9 @@ def test_family_parity(model_type, backend):
         torch.testing.assert_close(loss, expected[name][0], atol=1e-5, rtol=1e-5, msg=f"{model_type} {name} loss")
         assert_close_grads(expected[name][1], grads)
     # The fused add+norm really ran in every layer of the runs above (so the parity covers its forward and backward)
+    # on the npu path; the torch backend has no add+norm kernel: HF's layer forward ran there (counted: none)
     after = mindspeed_hf.report(model)
-    fused = model_type in ADD_NORM_FAMILIES
+    fused = model_type in ADD_NORM_FAMILIES and backend == "npu"
     assert after["add_rms_norm_layers"] == (model.config.num_hidden_layers if fused else 0)
     assert after["ran"]["add_rms_norm"] == (len(BATCHES) * model.config.num_hidden_layers if fused else 0)
     assert after["implementations"]["add_rms_norm"] == ("torch" if backend == "torch" else "npu:npu_add_rms_norm")
@@ -94,14 +95,31 @@ def test_add_norm_families():
         TEXT_FAMILIES[n].decoder_layer for n in ADD_NORM_FAMILIES}
 
 
+def test_torch_backend_runs_hf_layer_forward_with_our_norms():
+    """On the torch backend (no add+norm kernel) the fused layer forward hands over to HF's layer forward at once:
+    HF's numbers, nothing counted as add_rms_norm, every norm (the post-attention ones too) on the rms_norm kernel."""
+    model = tiny_model("llama")
+    batch = padded_batch()
+    expected = loss_and_grads(model, batch)
+    mindspeed_hf.enable(config_from_dict({"backend": "torch"}))
+    mindspeed_hf.apply_to_model(model)
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
+    assert_close_grads(expected[1], grads)
+    report = mindspeed_hf.report(model)
+    assert report["ran"]["add_rms_norm"] == 0 and report["add_rms_norm_layers"] == 0
+    assert report["ran"]["rms_norm"] == 2 * model.config.num_hidden_layers + 1
+
+
 def test_add_norm_falls_back_where_the_norm_is_not_plainly_ours():
-    """A hook on the norm (it must fire), or the rms_norm kernel switched off: HF's layer forward, same numbers."""
+    """A hook on the norm (it must fire), or the rms_norm kernel switched off: HF's layer forward, same numbers
+    (on the npu path, where the add+norm fuses)."""
     model = tiny_model("llama")
     batch = padded_batch()
     expected = loss_and_grads(model, batch)
     seen = []
     model.model.layers[0].post_attention_layernorm.register_forward_hook(lambda *a: seen.append(1))
-    mindspeed_hf.enable()
+    mindspeed_hf.enable(config_from_dict({"backend": "npu"}))
     mindspeed_hf.apply_to_model(model)
     loss, grads = loss_and_grads(model, batch)
     torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
@@ -111,14 +129,14 @@ def test_add_norm_falls_back_where_the_norm_is_not_plainly_ours():
     assert mindspeed_hf.report(model)["add_rms_norm_layers"] == 0
 
 
-def _checkpointed_then_accelerated(model_type: str):
+def _checkpointed_then_accelerated(model_type: str, backend: str = "auto"):
     """(the tiny model with HF's gradient checkpointing on, a padded batch, its plain loss and gradients), the model
     then accelerated."""
     model = tiny_model(model_type).train()
     model.gradient_checkpointing_enable()
     batch = padded_batch()
     expected = loss_and_grads(model, batch)
-    mindspeed_hf.enable()
+    mindspeed_hf.enable(config_from_dict({"backend": backend}))
     mindspeed_hf.apply_to_model(model)
     return model, batch, expected
 
@@ -135,7 +153,7 @@ def test_add_norm_keeps_gradient_checkpointing():
     from transformers.models.llama import modeling_llama
 
     before = modeling_llama.LlamaDecoderLayer.forward
-    model, batch, expected = _checkpointed_then_accelerated("llama")
+    model, batch, expected = _checkpointed_then_accelerated("llama", "npu")  # the backend that fuses the add+norm
     assert (modeling_llama.LlamaDecoderLayer.forward is before) == (checkpointing_cell(before) is not None)
     # a fused layer enters its model's scope itself, also where it is rerun: no hooks on it or its children
     assert _scope_hooked(model.model.layers) == [] and _scope_hooked(model) != []
