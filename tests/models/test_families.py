@@ -125,7 +125,7 @@ def test_add_norm_falls_back_where_the_norm_is_not_plainly_ours():
     torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
     assert_close_grads(expected[1], grads)
     assert seen and mindspeed_hf.report(model)["ran"]["add_rms_norm"] == model.config.num_hidden_layers - 1
-    mindspeed_hf.apply_to_model(model, config_from_dict({"kernels": {"rms_norm": False}}))
+    mindspeed_hf.apply_to_model(model, config_from_dict({"backend": "npu", "kernels": {"rms_norm": False}}))
     assert mindspeed_hf.report(model)["add_rms_norm_layers"] == 0
 
 
