@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..releases import compat
-from .registry import register, run, select
+from .registry import has_own_kernel, register, run
 
 
 def _plain(layer: object, like: nn.Linear) -> bool:
@@ -90,7 +90,7 @@ register("stacked_linear", "npu", name="npu:one_matmul")(_stacked)
 
 def stacks(x: torch.Tensor, layers: Sequence[object]) -> bool:
     """Whether `project(x, layers)` runs them as one stacked matmul: a backend that stacks, and `stackable`."""
-    return select("stacked_linear", x.device).backend != "torch" and stackable(x, layers)
+    return has_own_kernel("stacked_linear", x.device) and stackable(x, layers)
 
 
 def project(x: torch.Tensor, layers: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:

@@ -158,6 +158,12 @@ def select(op: str, device: torch.device | str) -> Kernel:
     return _chosen(op, requested_backend(), device)
 
 
+def has_own_kernel(op: str, device: torch.device | str) -> bool:
+    """Whether `op` runs a backend's own kernel for tensors on `device`, not the torch reference (which runs on the
+    torch backend, and on a device backend with no kernel for `op` or without its library)."""
+    return select(op, device).backend != "torch"
+
+
 def run(op: str, device: torch.device | str) -> Callable:
     """The function that runs `op` for tensors on `device` (as `select`), counted as one execution on the running
     model's counter (report()["ran"]: what really ran, not what was patched). The hot path of every patched call:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..device import import_torch_npu
-from .registry import register, run, select
+from .registry import has_own_kernel, register, run
 
 
 @register("rms_norm", "torch", name="torch")
@@ -97,7 +97,7 @@ def add_rms_norm_fuses(device: torch.device | str) -> bool:
     and norm, the same ops a decoder layer runs itself: there the layer's own forward runs, with less Python (the
     fused layer forward cost 26 us more per layer than HF's on the torch backend, docs/host_time.md), its norms on
     the rms_norm kernel (liger's on CUDA)."""
-    return select("add_rms_norm", device).backend != "torch"
+    return has_own_kernel("add_rms_norm", device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
