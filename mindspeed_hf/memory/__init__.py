@@ -1,7 +1,17 @@
 """Memory features, one setting each: recompute (full or selective) and asynchronous activation offload."""
 
-from .offload_model import apply_offload_config, is_offload_layer, offloader_of, remove_offload
-from .recompute import apply_recompute_config, enable_recompute, remove_recompute
+from ..lazy_exports import lazy_exports
 
-__all__ = ["apply_offload_config", "apply_recompute_config", "enable_recompute", "is_offload_layer", "offloader_of",
-           "remove_offload", "remove_recompute"]
+#: public name -> the module of this package that defines it (offload loads when a run asks for it)
+_EXPORTS: dict[str, str] = {
+    "apply_offload_config": "offload_model",
+    "is_offload_layer": "offload_model",
+    "offloader_of": "offload_model",
+    "remove_offload": "offload_model",
+    "apply_recompute_config": "recompute",
+    "enable_recompute": "recompute",
+    "remove_recompute": "recompute",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

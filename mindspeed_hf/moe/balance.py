@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel import find_fused_experts
+from ..patches.experts import find_fused_experts
 from .load import ExpertLoad
 
 __all__ = ["AuxFreeBalance"]

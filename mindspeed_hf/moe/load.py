@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel import find_fused_experts
+from ..patches.experts import find_fused_experts
 from ..releases import compat
 
 __all__ = ["ExpertLoad"]

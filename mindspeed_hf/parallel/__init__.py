@@ -16,100 +16,59 @@ the dense and the expert meshes together. Context parallelism (``parallel.cp``) 
 runs over the cp group, and each batch goes through ``split_cp_batch(batch, context_of(model))``.
 Checkpoints: ``save_hf_consolidated`` (HF directory / PEFT adapter), ``save_sharded`` /
 ``load_sharded`` (DCP, atomic ``COMPLETE`` marker) and ``latest_complete_checkpoint``.
+Each name is imported from its module on first use (PEP 562), so a run loads the steps it applies, not the
+whole package.
 """
 
-from .checkpoint import (
-    COMPLETE_MARKER,
-    capture_rng_state,
-    is_complete_checkpoint,
-    latest_complete_checkpoint,
-    load_model_shards,
-    load_optimizer_shards,
-    load_sharded,
-    mark_complete,
-    restore_rng_state,
-    save_hf_consolidated,
-    save_model_shards,
-    save_optimizer_shards,
-    save_sharded,
-    unmark,
-)
-from .context import context_of, context_parallel_from, split_cp_batch
-from .dims import (
-    ParallelDims,
-    expert_mesh,
-    fsdp_mesh,
-    init_distributed,
-    quiesce_gloo_at_exit,
-)
-from .expert import (
-    apply_expert_parallel,
-    check_expert_parallel,
-    clip_grad_norm_,
-    find_fused_experts,
-    remove_expert_parallel,
-)
-from .fsdp import (
-    apply_fsdp,
-    defer_gradient_reduction,
-    find_decoder_layers,
-    get_fsdp_parts,
-    local_state_bytes,
-    reshard_model,
-    unwrap_hf_model,
-)
-from .loading import (
-    build_meta_model,
-    from_pretrained_sharded,
-    init_nonpersistent_buffers,
-    load_sharded_safetensors,
-    local_shard_slices,
-    materialize_meta_model,
-)
-from .parallelize import ParallelizeOptions, parallelize, register_step_override
+from ..lazy_exports import lazy_exports
 
-__all__ = [
-    "COMPLETE_MARKER",
-    "ParallelDims",
-    "apply_expert_parallel",
-    "apply_fsdp",
-    "check_expert_parallel",
-    "clip_grad_norm_",
-    "context_of",
-    "context_parallel_from",
-    "split_cp_batch",
-    "find_fused_experts",
-    "remove_expert_parallel",
-    "build_meta_model",
-    "defer_gradient_reduction",
-    "capture_rng_state",
-    "expert_mesh",
-    "find_decoder_layers",
-    "from_pretrained_sharded",
-    "fsdp_mesh",
-    "get_fsdp_parts",
-    "init_distributed",
-    "init_nonpersistent_buffers",
-    "quiesce_gloo_at_exit",
-    "is_complete_checkpoint",
-    "latest_complete_checkpoint",
-    "load_sharded",
-    "load_sharded_safetensors",
-    "local_shard_slices",
-    "load_model_shards",
-    "load_optimizer_shards",
-    "local_state_bytes",
-    "mark_complete",
-    "materialize_meta_model",
-    "ParallelizeOptions",
-    "parallelize",
-    "register_step_override",
-    "reshard_model",
-    "restore_rng_state",
-    "save_hf_consolidated",
-    "save_model_shards",
-    "save_optimizer_shards",
-    "save_sharded",
-    "unmark",
-    "unwrap_hf_model",
-]
+# the entry point, imported with the package: its name is also its module's, which importing the module would
+# otherwise bind here in the function's place
+from .parallelize import ParallelizeOptions, parallelize, register_step_override  # noqa: F401 (in __all__)
+
+#: public name -> the module of this package that defines it
+_EXPORTS: dict[str, str] = {
+    "COMPLETE_MARKER": "checkpoint",
+    "capture_rng_state": "checkpoint",
+    "is_complete_checkpoint": "checkpoint",
+    "latest_complete_checkpoint": "checkpoint",
+    "load_model_shards": "checkpoint",
+    "load_optimizer_shards": "checkpoint",
+    "load_sharded": "checkpoint",
+    "mark_complete": "checkpoint",
+    "restore_rng_state": "checkpoint",
+    "save_hf_consolidated": "checkpoint",
+    "save_model_shards": "checkpoint",
+    "save_optimizer_shards": "checkpoint",
+    "save_sharded": "checkpoint",
+    "unmark": "checkpoint",
+    "context_of": "context",
+    "context_parallel_from": "context",
+    "split_cp_batch": "context",
+    "ParallelDims": "dims",
+    "expert_mesh": "dims",
+    "fsdp_mesh": "dims",
+    "init_distributed": "dims",
+    "quiesce_gloo_at_exit": "dims",
+    "apply_expert_parallel": "expert",
+    "check_expert_parallel": "expert",
+    "clip_grad_norm_": "expert",
+    "find_fused_experts": "expert",
+    "remove_expert_parallel": "expert",
+    "apply_fsdp": "fsdp",
+    "defer_gradient_reduction": "fsdp",
+    "find_decoder_layers": "fsdp",
+    "get_fsdp_parts": "fsdp",
+    "local_state_bytes": "fsdp",
+    "reshard_model": "fsdp",
+    "unwrap_hf_model": "fsdp",
+    "build_meta_model": "loading",
+    "from_pretrained_sharded": "loading",
+    "init_nonpersistent_buffers": "loading",
+    "load_sharded_safetensors": "loading",
+    "local_shard_slices": "loading",
+    "materialize_meta_model": "loading",
+}
+
+__all__ = sorted([*_EXPORTS, "ParallelizeOptions", "parallelize", "register_step_override"])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -41,7 +41,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..ops.experts import grouped_mlp, permute, unpermute
-from ..patches.experts import gate_of
+from ..patches.experts import FUSED_EXPERT_WEIGHTS as _WEIGHTS
+from ..patches.experts import find_fused_experts, gate_of
 from .dims import ParallelDims
 
 __all__ = [
@@ -54,8 +55,6 @@ __all__ = [
     "native_expert_parallel",
     "remove_expert_parallel",
 ]
-
-_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -70,16 +69,6 @@ class _EpState:
 
 
 # ---------------------------------------------------------------------------------------------- finding, checking
-def find_fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every fused experts module: 3-D ``gate_up_proj`` and ``down_proj`` parameters, in order."""
-    found = []
-    for name, module in model.named_modules():
-        weights = [getattr(module, w, None) for w in _WEIGHTS]
-        if all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
-            found.append((name, module))
-    return found
-
-
 def native_expert_parallel(model: nn.Module) -> str | None:
     """Name of the first experts module transformers itself split (``from_pretrained(...,
     distributed_config=DistributedConfig(ep_size=N))``), or None."""

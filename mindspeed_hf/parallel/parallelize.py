@@ -39,15 +39,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import MindSpeedConfig
-from ..memory import apply_offload_config, apply_recompute_config
-from ..patches import diffusion
-from .context.denoiser import apply_denoiser_context_parallel
-from .context.model import apply_context_parallel, context_parallel_from
+from ..memory.recompute import apply_recompute_config
 from .dims import ParallelDims, fsdp_mesh
-from .expert import adopt_native_ep, apply_expert_parallel, expert_fsdp_groups, native_expert_parallel
 from .fsdp import apply_fsdp, unwrap_hf_model
-from .tensor import apply_tensor_parallel, check_tensor_parallel
-from .towers import keep_media_in_step, tower_modules
+
+# Each axis's module (and the offload machinery) is imported by its step when that step applies: a run loads the
+# axes it uses (`import mindspeed_hf` stays the cost of what runs; docs/host_time.md).
 
 __all__ = ["ParallelizeOptions", "STEPS", "parallelize", "register_step_override"]
 
@@ -91,6 +88,8 @@ def apply_tp(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfi
         raise ValueError(f"parallel.tp={dims.tp}: {type(hf_model).__name__} is tensor-parallel already ({already}); "
                          "sharding it twice is refused; valid choices: parallel.tp=1 with a model transformers "
                          "sharded, or load it without tp_plan")
+    from .tensor import apply_tensor_parallel, check_tensor_parallel
+
     check_tensor_parallel(hf_model, dims.tp)
     apply_tensor_parallel(model, dims.get_mesh("tp"), sequence_parallel=True)
     return model
@@ -102,7 +101,11 @@ def apply_ep(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfi
     forward replaced by the token exchange (checked first: fused experts, ep dividing their number). A model
     transformers already split with its own DistributedConfig(ep_size=...) is adopted as loaded (its EP and FSDP2),
     not sharded twice; refused in one line where the two settings cannot combine (expert.adopt_native_ep)."""
-    if dims is None or adopt_native_ep(unwrap_hf_model(model), dims, config.parallel.ep):
+    if dims is None:
+        return model
+    from .expert import adopt_native_ep, apply_expert_parallel
+
+    if adopt_native_ep(unwrap_hf_model(model), dims, config.parallel.ep):
         return model
     if not dims.ep_enabled:
         return model
@@ -118,6 +121,10 @@ def apply_cp(model: nn.Module, dims: ParallelDims | None, config: MindSpeedConfi
     by the Ulysses size, no softcapping or attention dropout). Batches must then be split with split_cp_batch."""
     if dims is None or not dims.cp_enabled:
         return model
+    from ..patches import diffusion
+    from .context.denoiser import apply_denoiser_context_parallel
+    from .context.model import apply_context_parallel, context_parallel_from
+
     denoiser = diffusion.find_denoiser(model)
     if denoiser is not None:  # a diffusers DiT: its image / video tokens split by its own _cp_plan
         family = diffusion.family_of(denoiser)
@@ -143,7 +150,10 @@ def apply_offload(model: nn.Module, dims: ParallelDims | None, config: MindSpeed
                   options: ParallelizeOptions) -> nn.Module:
     """Activation offload, when memory.offload_activations is on (after recompute, whose checkpoints it wraps;
     before FSDP2, which subclasses the same layers): the layers memory.offload_layers picks, except the last."""
-    apply_offload_config(model, config.memory)
+    if config.memory.offload_activations:
+        from ..memory.offload_model import apply_offload_config
+
+        apply_offload_config(model, config.memory)
     return model
 
 
@@ -175,6 +185,9 @@ def apply_fsdp2(model: nn.Module, dims: ParallelDims | None, config: MindSpeedCo
     """Step 3: FSDP2 / HSDP over `dims`' mesh (collective), when there is more than one rank to shard over."""
     if dims is None or dims.dp_replicate * dims.fsdp_size == 1:
         return model
+    from .expert import expert_fsdp_groups, native_expert_parallel
+    from .towers import keep_media_in_step, tower_modules
+
     if native_expert_parallel(unwrap_hf_model(model)):  # adopted by apply_ep: transformers' FSDP2 is in place
         return model
     device = _device(dims)

@@ -38,6 +38,19 @@ from . import forwards, scope
 
 logger = logging.getLogger("mindspeed_hf")
 
+#: The two 3-D parameters of a fused experts module (transformers 5's layout).
+FUSED_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def find_fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every fused experts module: 3-D ``gate_up_proj`` and ``down_proj`` parameters, in order."""
+    found = []
+    for name, module in model.named_modules():
+        weights = [getattr(module, w, None) for w in FUSED_EXPERT_WEIGHTS]
+        if all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
+            found.append((name, module))
+    return found
+
 EXPERTS_NAME = "mindspeed"
 UNAVAILABLE = ("not applied: this transformers release has no experts implementation to choose (4.57) or accepts "
                "only its own (5.0 to 5.9); needs >= 5.10")

@@ -347,16 +347,6 @@ def _transformers_version() -> Version:
 _READERS = ("transformers.trainer", "transformers.distributed.fsdp", "transformers.integrations.fsdp")
 
 
-def _reader_modules() -> list:
-    found = []
-    for name in _READERS:
-        try:
-            found.append(importlib.import_module(name))
-        except ImportError:
-            continue
-    return found
-
-
 def _resolve(path: str) -> Any:
     """The object at import path `path` ("torch.nn.Module", "transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS"):
     the longest importable module, then attributes; None when any part is missing."""
@@ -390,11 +380,18 @@ def source_of(obj: Any) -> str:
 
 @functools.cache
 def _source_has(module: str, text: str) -> bool:
-    """Whether the source of module `module` holds `text` (False when it cannot be imported or read)."""
+    """Whether the source file of module `module` holds `text` (False when it cannot be imported or read); the file
+    is read as it is, and not kept."""
     try:
-        return text in source_of(importlib.import_module(module))
+        with open(importlib.import_module(module).__file__, encoding="utf-8") as f:
+            return text in f.read()
     except (ImportError, OSError, TypeError):
         return False
+
+
+@functools.cache
+def _release(text: str) -> Version:
+    return Version(text)
 
 
 def _present_on_owner(seam: Seam) -> bool:
@@ -417,7 +414,7 @@ def _present(seam: Seam) -> bool:
 
         return callable(getattr(Trainer, seam.name, None))
     if seam.kind == "attribute":
-        return any(seam.name in source_of(module) for module in _reader_modules())
+        return any(_source_has(module, seam.name) for module in _READERS)
     if seam.kind == "module":
         import transformers.trainer as hf_trainer
 
@@ -442,7 +439,7 @@ def in_range(seam: Seam, version: Version | None = None) -> bool:
     if version is None:  # an optional package that is not installed: nothing of it is used
         return False
     release = Version(version.base_version)
-    return release >= Version(seam.since) and (seam.until is None or release < Version(seam.until))
+    return release >= _release(seam.since) and (seam.until is None or release < _release(seam.until))
 
 
 # Seams read off transformers' Trainer and TrainingArguments: checking them imports the Trainer (and PEFT,

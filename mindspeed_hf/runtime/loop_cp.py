@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.context import context_of, split_cp_batch
+from ..parallel.context.attached import context_of
 from ..parallel.context.multimodal import SPLIT_MARK
 
 __all__ = ["install_loop_split"]
@@ -55,6 +55,8 @@ def _split(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tupl
         logger.warning("mindspeed_hf: parallel.cp=%d: the model was called without labels, so its outputs hold this "
                        "rank's slice of each sequence; pass labels to let the model compute the whole sequence's "
                        "loss", ctx.cp)
+    from ..parallel.context.model import split_cp_batch
+
     local = split_cp_batch(kwargs, ctx, num_items_in_batch=kwargs.get("num_items_in_batch"))
     setattr(module, _SPLITTING, getattr(module, _SPLITTING, 0) + 1)
     return (), local

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..parallel.context import context_of, split_cp_batch
+from ..parallel.context.attached import context_of
 from ..runtime import run_of
 
 __all__ = ["check_metrics_at_init", "check_predictions", "split_inputs"]
@@ -29,6 +29,8 @@ def split_inputs(model: Any, inputs: dict[str, Any], num_items_in_batch: Any) ->
     ctx = context_of(model)
     if ctx is None:
         return inputs, num_items_in_batch
+    from ..parallel.context.model import split_cp_batch  # loaded with the cp step that attached `ctx`
+
     local = split_cp_batch(inputs, ctx, num_items_in_batch=None if num_items_in_batch is None
                            else float(num_items_in_batch))
     if num_items_in_batch is None:  # Trainer does not scale: the model divides by the count split_cp_batch made

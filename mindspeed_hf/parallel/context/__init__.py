@@ -8,50 +8,41 @@
 - hybrid.py: `context_attention`, Ulysses inside and ring across (either optional), the one entry for attention.
 - model.py: the HF wiring: the "mindspeed_cp" attention, `split_cp_batch` (a model batch -> this rank's share, with
   the loss scaling), the checks, and `apply_context_parallel` (parallelize's cp step).
+- attached.py: `context_of(model)`, the ContextParallel a model was prepared with.
 - blocks.py: one block's attention with its log-sum-exp and its backward, per device (CPU flash kernel, CUDA
   SDPA flash, NPU npu_fusion_attention / npu_fusion_attention_grad), chosen by the kernel registry.
 """
 
-from .blocks import block_backward, block_forward
-from .hybrid import context_attention
-from .model import (
-    CP_ATTENTION,
-    ContextParallel,
-    apply_context_parallel,
-    check_context_parallel,
-    context_of,
-    context_parallel_from,
-    split_cp_batch,
-    valid_tokens,
-)
-from .ring import local_attention, ring_attention
-from .split import gather_sequence, padded_length, segment_ids, shard_indices, shift_labels, split_batch, unshard
-from .ulysses import all_to_all, check_ulysses_heads, heads_to_seq, seq_to_heads, ulysses_attention
+from ...lazy_exports import lazy_exports
 
-__all__ = [
-    "CP_ATTENTION",
-    "ContextParallel",
-    "apply_context_parallel",
-    "check_context_parallel",
-    "context_of",
-    "context_parallel_from",
-    "split_cp_batch",
-    "valid_tokens",
-    "all_to_all",
-    "block_backward",
-    "block_forward",
-    "check_ulysses_heads",
-    "context_attention",
-    "gather_sequence",
-    "heads_to_seq",
-    "local_attention",
-    "padded_length",
-    "ring_attention",
-    "segment_ids",
-    "seq_to_heads",
-    "shard_indices",
-    "shift_labels",
-    "split_batch",
-    "ulysses_attention",
-    "unshard",
-]
+#: public name -> the module of this package that defines it (imported on first use)
+_EXPORTS: dict[str, str] = {
+    "block_backward": "blocks",
+    "block_forward": "blocks",
+    "context_attention": "hybrid",
+    "CP_ATTENTION": "model",
+    "ContextParallel": "model",
+    "apply_context_parallel": "model",
+    "check_context_parallel": "model",
+    "context_parallel_from": "model",
+    "split_cp_batch": "model",
+    "valid_tokens": "model",
+    "context_of": "attached",
+    "local_attention": "ring",
+    "ring_attention": "ring",
+    "gather_sequence": "split",
+    "padded_length": "split",
+    "segment_ids": "split",
+    "shard_indices": "split",
+    "shift_labels": "split",
+    "split_batch": "split",
+    "unshard": "split",
+    "all_to_all": "ulysses",
+    "check_ulysses_heads": "ulysses",
+    "heads_to_seq": "ulysses",
+    "seq_to_heads": "ulysses",
+    "ulysses_attention": "ulysses",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -228,13 +228,3 @@ def apply_context_parallel(hf_model: nn.Module, ctx: ContextParallel) -> nn.Modu
         hf_model.set_attn_implementation(CP_ATTENTION)
     hf_model._mindspeed_cp = ctx
     return hf_model
-
-
-def context_of(model: nn.Module) -> ContextParallel | None:
-    """The ContextParallel a model was prepared with (None without context parallelism); looks through PEFT."""
-    for module in (model, getattr(model, "base_model", None), getattr(getattr(model, "base_model", None), "model",
-                                                                      None)):
-        ctx = getattr(module, "_mindspeed_cp", None) if module is not None else None
-        if ctx is not None:
-            return ctx
-    return None
