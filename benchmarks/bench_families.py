@@ -6,6 +6,12 @@ interleaved pairs, one thread each (pin the whole benchmark with `taskset -c N`)
 step (wall, after the first 5), and the losses (plain and accelerated must agree to 1e-5).
 
     taskset -c 1 python benchmarks/bench_families.py --pairs 3 --steps 25 --out benchmarks/results/families_cpu.md
+
+`--in-process`: both runs of each family in this one process instead, alternating round by round (mindspeed_hf
+disabled and enabled between rounds, benchmarks/ab_steps.py): without the +-10% spread between processes.
+
+    taskset -c 1 python benchmarks/bench_families.py --in-process --rounds 8 --steps 30 \
+        --out benchmarks/results/families_inprocess_cpu.md
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--families", default="", help="comma-separated model types (default: every tiny config)")
+    ap.add_argument("--in-process", action="store_true", help="plain and accelerated alternating in this process")
+    ap.add_argument("--rounds", type=int, default=8, help="alternating rounds per family (--in-process)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -85,6 +93,9 @@ def main() -> None:
         from tiny_models import FAMILY_CONFIGS, HYBRID_CONFIGS, modeling_of
 
         families = [f for f in (*FAMILY_CONFIGS, *HYBRID_CONFIGS) if modeling_of(f) is not None]
+    if args.in_process:
+        emit(in_process(families, args), args.out)
+        return
     pairs = []
     for i in range(args.pairs):
         order = ("0", "1") if i % 2 == 0 else ("1", "0")
@@ -105,6 +116,32 @@ def main() -> None:
         lines.append(f"| {family} | {plain:.2f} | {ours:.2f} | {statistics.median(ratios):.3f}x "
                      f"[{min(ratios):.3f}-{max(ratios):.3f}] | {diff:.1e} | {ran} |")
     emit("\n".join(lines) + "\n", args.out)
+
+
+def in_process(families: list[str], args: argparse.Namespace) -> str:
+    """The table of `--in-process`: every family's plain and accelerated runs alternating in this process."""
+    os.environ.update(MINDSPEED_HF_AUTO="0", MINDSPEED_HF_BACKEND="torch", TRANSFORMERS_VERBOSITY="error")
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    import torch
+    from ab_steps import ratios, step_phases
+
+    torch.set_num_threads(1)
+    lines = [f"`taskset -c N python benchmarks/bench_families.py {' '.join(sys.argv[1:])}`", "",
+             f"Tiny models of tests/tiny_models.py, batch {args.batch} x {args.seq} tokens, fp32, backend torch, one "
+             f"process: plain HF and mindspeed_hf (two copies of each model from one seed) alternating over "
+             f"{args.rounds} rounds of {args.steps} steps (median of steps 4..), one thread, affinity "
+             f"{sorted(os.sched_getaffinity(0))}", "",
+             "| family | plain HF step (ms) | mindspeed_hf step (ms) | ratio per round, median [min-max] | "
+             "max loss diff | kernels that ran |", "|---|---|---|---|---|---|"]
+    for family in families:
+        phases, losses, ran = step_phases(family, (args.batch, args.seq), args.rounds, args.steps)
+        plain, ours = (statistics.median(v[2] for v in phases[name]) * 1e3 for name in ("plain HF", "mindspeed_hf"))
+        per_round = ratios(phases)
+        diff = max(abs(a - b) for a, b in zip(losses["plain HF"], losses["mindspeed_hf"], strict=True))
+        lines.append(f"| {family} | {plain:.2f} | {ours:.2f} | {statistics.median(per_round):.3f}x "
+                     f"[{per_round[0]:.3f}-{per_round[-1]:.3f}] | {diff:.1e} | "
+                     f"{', '.join(op for op, n in ran.items() if n)} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

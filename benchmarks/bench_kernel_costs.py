@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from ab_steps import ratios, step_phases
 from results_io import emit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,41 +68,14 @@ def kernel_rows(family: str, shape: tuple[int, int], rounds: int, forwards: int)
 
 def step_rows(family: str, shape: tuple[int, int], rounds: int, steps: int) -> list[str]:
     """Plain HF against everything on, whole steps, forward and backward apart (medians of per-round medians)."""
-    import torch
-    from tiny_models import VOCAB, tiny_model
-
-    import mindspeed_hf
-
-    ids = torch.randint(2, VOCAB, shape, generator=torch.Generator().manual_seed(1))
-    runs = {}
-    for name in ("plain HF", "mindspeed_hf"):
-        model = tiny_model(family).train()
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    phases: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, (model, optimizer) in runs.items():
-            if name == "mindspeed_hf":
-                mindspeed_hf.enable()
-                mindspeed_hf.apply_to_model(model)
-            fwd, bwd, whole = [], [], []
-            for _ in range(steps):
-                start = time.perf_counter()
-                loss = model(input_ids=ids, labels=ids).loss
-                mid = time.perf_counter()
-                loss.backward()
-                end = time.perf_counter()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                fwd.append(mid - start), bwd.append(end - mid), whole.append(time.perf_counter() - start)
-            if name == "mindspeed_hf":
-                mindspeed_hf.disable()
-            phases[name].append(tuple(statistics.median(x[3:]) for x in (fwd, bwd, whole)))
+    phases, _, _ = step_phases(family, shape, rounds, steps)
     rows = []
     for name, values in phases.items():
         fwd, bwd, whole = (statistics.median(v[i] for v in values) for i in range(3))
         rows.append(f"| {name} | {fwd * 1e3:.3f} | {bwd * 1e3:.3f} | {whole * 1e3:.3f} |")
-    ratios = sorted(a[2] / p[2] for p, a in zip(phases["plain HF"], phases["mindspeed_hf"], strict=True))
-    rows.append(f"| ratio (per round) | | | {statistics.median(ratios):.3f}x [{ratios[0]:.3f}-{ratios[-1]:.3f}] |")
+    per_round = ratios(phases)
+    rows.append(f"| ratio (per round) | | | {statistics.median(per_round):.3f}x "
+                f"[{per_round[0]:.3f}-{per_round[-1]:.3f}] |")
     return rows
 
 
