@@ -9,9 +9,16 @@ from collections.abc import Callable
 from typing import Any
 
 
-def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """The module-level `__getattr__` and `__dir__` of `package`, whose public names `exports` maps to the
-    submodule defining each ({"apply_fsdp": "fsdp"}); a name is imported when first read, then kept."""
+def public_names(modules: dict[str, tuple[str, ...]]) -> list[str]:
+    """Every name of `modules` ({submodule: its public names}), sorted: a lazy package's `__all__`."""
+    return sorted(name for names in modules.values() for name in names)
+
+
+def lazy_exports(package: str, modules: dict[str, tuple[str, ...]]) -> tuple[Callable[[str], Any],
+                                                                          Callable[[], list[str]]]:
+    """The module-level `__getattr__` and `__dir__` of `package`, whose public names `modules` lists per submodule
+    ({"fsdp": ("apply_fsdp", ...)}); a name is imported from its submodule when first read, then kept."""
+    exports = {name: module for module, names in modules.items() for name in names}
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)

@@ -1,17 +1,12 @@
 """Memory features, one setting each: recompute (full or selective) and asynchronous activation offload."""
 
-from ..lazy_exports import lazy_exports
+from ..lazy_exports import lazy_exports, public_names
 
-#: public name -> the module of this package that defines it (offload loads when a run asks for it)
-_EXPORTS: dict[str, str] = {
-    "apply_offload_config": "offload_model",
-    "is_offload_layer": "offload_model",
-    "offloader_of": "offload_model",
-    "remove_offload": "offload_model",
-    "apply_recompute_config": "recompute",
-    "enable_recompute": "recompute",
-    "remove_recompute": "recompute",
+#: each module of this package -> its public names, imported on first use (offload when a run asks for it)
+_MODULES: dict[str, tuple[str, ...]] = {
+    "offload_model": ("apply_offload_config", "is_offload_layer", "offloader_of", "remove_offload"),
+    "recompute": ("apply_recompute_config", "enable_recompute", "remove_recompute"),
 }
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = public_names(_MODULES)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULES)

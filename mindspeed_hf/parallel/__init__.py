@@ -20,55 +20,34 @@ Each name is imported from its module on first use (PEP 562), so a run loads the
 whole package.
 """
 
-from ..lazy_exports import lazy_exports
+from ..lazy_exports import lazy_exports, public_names
 
 # the entry point, imported with the package: its name is also its module's, which importing the module would
 # otherwise bind here in the function's place
 from .parallelize import ParallelizeOptions, parallelize, register_step_override  # noqa: F401 (in __all__)
 
-#: public name -> the module of this package that defines it
-_EXPORTS: dict[str, str] = {
-    "COMPLETE_MARKER": "checkpoint",
-    "capture_rng_state": "checkpoint",
-    "is_complete_checkpoint": "checkpoint",
-    "latest_complete_checkpoint": "checkpoint",
-    "load_model_shards": "checkpoint",
-    "load_optimizer_shards": "checkpoint",
-    "load_sharded": "checkpoint",
-    "mark_complete": "checkpoint",
-    "restore_rng_state": "checkpoint",
-    "save_hf_consolidated": "checkpoint",
-    "save_model_shards": "checkpoint",
-    "save_optimizer_shards": "checkpoint",
-    "save_sharded": "checkpoint",
-    "unmark": "checkpoint",
-    "context_of": "context",
-    "context_parallel_from": "context",
-    "split_cp_batch": "context",
-    "ParallelDims": "dims",
-    "expert_mesh": "dims",
-    "fsdp_mesh": "dims",
-    "init_distributed": "dims",
-    "quiesce_gloo_at_exit": "dims",
-    "apply_expert_parallel": "expert",
-    "check_expert_parallel": "expert",
-    "clip_grad_norm_": "expert",
-    "find_fused_experts": "expert",
-    "remove_expert_parallel": "expert",
-    "apply_fsdp": "fsdp",
-    "defer_gradient_reduction": "fsdp",
-    "find_decoder_layers": "fsdp",
-    "get_fsdp_parts": "fsdp",
-    "local_state_bytes": "fsdp",
-    "reshard_model": "fsdp",
-    "unwrap_hf_model": "fsdp",
-    "build_meta_model": "loading",
-    "from_pretrained_sharded": "loading",
-    "init_nonpersistent_buffers": "loading",
-    "load_sharded_safetensors": "loading",
-    "local_shard_slices": "loading",
-    "materialize_meta_model": "loading",
+#: each module of this package -> its public names, imported on first use
+_MODULES: dict[str, tuple[str, ...]] = {
+    "checkpoint": (
+        "COMPLETE_MARKER", "capture_rng_state", "is_complete_checkpoint", "latest_complete_checkpoint",
+        "load_model_shards", "load_optimizer_shards", "load_sharded", "mark_complete", "restore_rng_state",
+        "save_hf_consolidated", "save_model_shards", "save_optimizer_shards", "save_sharded", "unmark",
+    ),
+    "context": ("context_of", "context_parallel_from", "split_cp_batch"),
+    "dims": ("ParallelDims", "expert_mesh", "fsdp_mesh", "init_distributed", "quiesce_gloo_at_exit"),
+    "expert": (
+        "apply_expert_parallel", "check_expert_parallel", "clip_grad_norm_", "find_fused_experts",
+        "remove_expert_parallel",
+    ),
+    "fsdp": (
+        "apply_fsdp", "defer_gradient_reduction", "find_decoder_layers", "get_fsdp_parts", "local_state_bytes",
+        "reshard_model", "unwrap_hf_model",
+    ),
+    "loading": (
+        "build_meta_model", "from_pretrained_sharded", "init_nonpersistent_buffers", "load_sharded_safetensors",
+        "local_shard_slices", "materialize_meta_model",
+    ),
 }
 
-__all__ = sorted([*_EXPORTS, "ParallelizeOptions", "parallelize", "register_step_override"])
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted([*public_names(_MODULES), "ParallelizeOptions", "parallelize", "register_step_override"])
+__getattr__, __dir__ = lazy_exports(__name__, _MODULES)

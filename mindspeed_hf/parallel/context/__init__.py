@@ -13,36 +13,23 @@
   SDPA flash, NPU npu_fusion_attention / npu_fusion_attention_grad), chosen by the kernel registry.
 """
 
-from ...lazy_exports import lazy_exports
+from ...lazy_exports import lazy_exports, public_names
 
-#: public name -> the module of this package that defines it (imported on first use)
-_EXPORTS: dict[str, str] = {
-    "block_backward": "blocks",
-    "block_forward": "blocks",
-    "context_attention": "hybrid",
-    "CP_ATTENTION": "model",
-    "ContextParallel": "model",
-    "apply_context_parallel": "model",
-    "check_context_parallel": "model",
-    "context_parallel_from": "model",
-    "split_cp_batch": "model",
-    "valid_tokens": "model",
-    "context_of": "attached",
-    "local_attention": "ring",
-    "ring_attention": "ring",
-    "gather_sequence": "split",
-    "padded_length": "split",
-    "segment_ids": "split",
-    "shard_indices": "split",
-    "shift_labels": "split",
-    "split_batch": "split",
-    "unshard": "split",
-    "all_to_all": "ulysses",
-    "check_ulysses_heads": "ulysses",
-    "heads_to_seq": "ulysses",
-    "seq_to_heads": "ulysses",
-    "ulysses_attention": "ulysses",
+#: each module of this package -> its public names, imported on first use
+_MODULES: dict[str, tuple[str, ...]] = {
+    "blocks": ("block_backward", "block_forward"),
+    "hybrid": ("context_attention",),
+    "model": (
+        "CP_ATTENTION", "ContextParallel", "apply_context_parallel", "check_context_parallel", "context_parallel_from",
+        "split_cp_batch", "valid_tokens",
+    ),
+    "attached": ("context_of",),
+    "ring": ("local_attention", "ring_attention"),
+    "split": (
+        "gather_sequence", "padded_length", "segment_ids", "shard_indices", "shift_labels", "split_batch", "unshard",
+    ),
+    "ulysses": ("all_to_all", "check_ulysses_heads", "heads_to_seq", "seq_to_heads", "ulysses_attention"),
 }
 
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = public_names(_MODULES)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULES)
