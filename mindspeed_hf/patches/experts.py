@@ -51,6 +51,7 @@ def find_fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
             found.append((name, module))
     return found
 
+
 EXPERTS_NAME = "mindspeed"
 UNAVAILABLE = ("not applied: this transformers release has no experts implementation to choose (4.57) or accepts "
                "only its own (5.0 to 5.9); needs >= 5.10")
@@ -74,8 +75,8 @@ def _layout(module: nn.Module) -> dict[str, Any] | None:
     """grouped_mlp's layout keywords for this experts module, or None where our kernel does not compute exactly what
     its eager forward does (no gate, a post-expert norm, DTensor weights, unexpected shapes)."""
     transposed = bool(getattr(module, "is_transposed", False))
-    names = ("gate_up_proj", "down_proj", *(("gate_up_proj_bias", "down_proj_bias")
-                                           if getattr(module, "has_bias", False) else ()))
+    names = (*FUSED_EXPERT_WEIGHTS, *(("gate_up_proj_bias", "down_proj_bias")
+                                      if getattr(module, "has_bias", False) else ()))
     tensors = [getattr(module, name, None) for name in names]
     if not all(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) for t in tensors):
         return None
