@@ -26,9 +26,10 @@ KERNELS = ("rms_norm", "rope", "swiglu", "attention", "fused_linear_cross_entrop
 
 
 def _config(on: tuple[str, ...]):
+    """Ours for the kernels `on` (kernels.torch_path: fused, so none is handed to HF's code)."""
     from mindspeed_hf.config import KernelConfig, MindSpeedConfig
 
-    return MindSpeedConfig(kernels=KernelConfig(**{k: k in on for k in KERNELS}))
+    return MindSpeedConfig(kernels=KernelConfig(torch_path="fused", **{k: k in on for k in KERNELS}))
 
 
 def _median_forward(model, ids, forwards: int) -> float:

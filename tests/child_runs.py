@@ -15,11 +15,12 @@ FOREIGN = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "MINDSPEED_HF_")
 
 
 def child_env(auto: bool = False, quiet: bool = True, **extra: str) -> dict[str, str]:
-    """This environment without FOREIGN settings and with the repo importable; kernels on only with `auto`;
-    one thread per process (tiny models on 2 shared cores: faster and deterministic); `quiet` silences
-    transformers' and Python's warnings (tests that read warnings keep them)."""
+    """This environment without FOREIGN settings and with the repo importable; kernels on only with `auto`, ours
+    everywhere on the CPU when on (kernels.torch_path: fused: the tests compare them with HF's); one thread per
+    process (tiny models on 2 shared cores: faster and deterministic); `quiet` silences transformers' and Python's
+    warnings (tests that read warnings keep them)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(FOREIGN)}
-    env.update(MINDSPEED_HF_AUTO="1" if auto else "0", OMP_NUM_THREADS="1",
+    env.update(MINDSPEED_HF_AUTO="1" if auto else "0", MINDSPEED_HF_KERNELS_TORCH_PATH="fused", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
     if quiet:
         env.update(TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")

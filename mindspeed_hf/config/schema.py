@@ -32,6 +32,8 @@ from ..value_kinds import (
 # Kernel backends (ops.registry dispatches on them). Declared here, with the settings, so that reading a config
 # imports no torch: `mindspeed-hf --help` and config errors stay fast.
 BACKEND_CHOICES = ("auto", "torch", "npu", "cuda")
+# kernels.torch_path: what runs on the torch backend (patches/choice.py)
+TORCH_PATHS = ("auto", "fused")
 
 ENV_PREFIX = "MINDSPEED_HF_"
 
@@ -87,6 +89,12 @@ class KernelConfig:
                                       "gated delta rule on the backend's kernel (flash-linear-attention on CUDA/NPU "
                                       "when installed, transformers' torch code otherwise) and packed documents kept "
                                       "apart in the linear layers as in the attention ones")
+    torch_path: str = _declare("auto", choice(TORCH_PATHS), "on the torch backend (a process without an NPU or "
+                               "GPU, or backend: torch): auto runs HF's own code for each op where ours measured "
+                               "slower there (RMSNorm, SwiGLU, attention without shared key/value heads, the loss "
+                               "of a small vocabulary; report()['hf_path'] names them); fused runs ours everywhere "
+                               "(the reference the device kernels are checked against). Device backends are not "
+                               "affected")
     loss_chunk_size: int = _declare(0, integer(0, " (0 = automatic)"), "tokens per chunk of the fused loss; 0 picks "
                                                                        "one from the vocabulary size")
     skip_logits: str = _declare("auto", choice(("auto", "always", "never")), "when a forward with labels builds the "

@@ -14,7 +14,7 @@ from ..ops import registry
 from ..ops.attention import OUR_ATTENTIONS
 from ..ops.rms_norm import add_rms_norm_fuses
 from ..releases import compat
-from . import experts, multimodal, quantized, scope, third_party
+from . import choice, experts, multimodal, quantized, scope, third_party
 from .engine import FUSED_LAYERS, PATCHES
 from .families import FAMILIES, ModelFamily, family_for
 from .sites import OPS, REPORTED_AS
@@ -65,6 +65,7 @@ def report(model: nn.Module) -> dict[str, Any]:
     kept: dict[str, str] = {}
     layers = 0
     config = scope.config_of(hf_model) if hf_model is not None else None
+    running = scope.running_config_of(hf_model) if hf_model is not None else None
     if family is not None and scope.process_config() is not None:  # enabled
         module = modeling(family)
         text_attention = multimodal.text_attention_sites(family, module, hf_model, FAMILIES, modeling)
@@ -75,7 +76,7 @@ def report(model: nn.Module) -> dict[str, Any]:
         audio_ids = multimodal.tower_modules(module, hf_model, family.audio_model)
         mrope = {getattr(module, cls): getattr(getattr(module, fn), "_mindspeed_op", None) == "rope"
                  for cls, fn in family.mrope_attention}
-        on = {op: bool(getattr(config.kernels, op)) for op in OPS}
+        on = {op: bool(getattr(running.kernels, op)) for op in OPS}
         attention = compat.attn_implementation(hf_model.config)
         explicit = getattr(hf_model, "_mindspeed_explicit_attention", None)
         if explicit is not None and attention not in OUR_ATTENTIONS:
@@ -125,6 +126,8 @@ def report(model: nn.Module) -> dict[str, Any]:
             "skip_logits": None if config is None or not counts["fused_linear_cross_entropy"] else
             config.kernels.skip_logits,
             "kept": kept,
+            # ops whose kernel the config asks for but HF's own code runs, being faster here (patches/choice.py)
+            "hf_path": choice.hf_path(config, running) if family is not None and config is not None else {},
             # what really ran on this model since it was built (or accelerated): executions per op
             "ran": {**dict.fromkeys((*OPS, *REPORTED_AS, "vision_attention"), 0), **ran}
             if hf_model is not None else {},

@@ -23,6 +23,7 @@ from torch import nn
 from ..config import MindSpeedConfig
 from ..ops import registry
 from ..releases import compat
+from . import choice
 from .engine import PATCHES
 
 _running: contextvars.ContextVar[MindSpeedConfig | None] = contextvars.ContextVar("mindspeed_hf_config", default=None)
@@ -85,25 +86,38 @@ def config_of(model: nn.Module) -> MindSpeedConfig:
     return getattr(model, "_mindspeed_config", None) or _process["config"] or _DEFAULT
 
 
-def _enter(config: MindSpeedConfig | None, counts: dict[str, int]) -> Callable[..., None]:
-    """The pre-hook: `config` current (None: keep the current one) and the kernels that run counted into `counts`."""
+def _enter(config: MindSpeedConfig | None, counts: dict[str, int],
+           ops: frozenset[str] = frozenset()) -> Callable[..., None]:
+    """The pre-hook: `config` current (None: keep the current one; outside every scope, the process config as the
+    model's `ops` choose, patches/choice.py) and the kernels that run counted into `counts`."""
 
     def hook(module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
-            _enter_traced(config)
+            _enter_traced(config if config is not None else _outermost(ops, compiling=True))
             return
         if _inside_scope(hook):
             # Already inside this model's scope (a layer's child run by its layer): nothing to set or reset.
             module.__dict__.setdefault("_mindspeed_tokens", []).append(())
             return
-        tokens = (registry.count_into(counts),) if config is None else (
-            registry.count_into(counts), _running.set(config),
-            registry.use_backend(None if config.backend == "auto" else config.backend))
+        running = config if config is not None else _outermost(ops)
+        tokens = (registry.count_into(counts),) if running is None else (
+            registry.count_into(counts), _running.set(running),
+            registry.use_backend(None if running.backend == "auto" else running.backend))
         module.__dict__.setdefault("_mindspeed_tokens", []).append(tokens)
 
     hook._mindspeed_scope = True
     hook.config, hook.counts = config, counts
     return hook
+
+
+def _outermost(ops: frozenset[str], compiling: bool = False) -> MindSpeedConfig | None:
+    """For a model that follows the process config: the process config as its choices (`ops`) make it, when it runs
+    outside every other model's scope and that changes something; else None (the current config stays)."""
+    outer = (_traced[-1] if _traced else None) if compiling else _running.get()
+    if not ops or outer is not None or _process["config"] is None:
+        return None
+    running = choice.running_config(_process["config"], ops)
+    return None if running is _process["config"] else running
 
 
 def _inside_scope(enter: Callable[..., None]) -> bool:
@@ -190,13 +204,27 @@ def attach(hf_model: nn.Module, config: MindSpeedConfig, layers: tuple[nn.Module
     for module in hf_model.modules():
         if isinstance(module, GradientCheckpointingLayer) and "forward" not in vars(module):
             _self_scope(type(module))
+    running = choice.running_config(config, _choices(hf_model))
     hooked, entering = _scoped_modules(hf_model, layers)
     for module in hooked:
-        module.register_forward_pre_hook(_enter(config, counts))
+        module.register_forward_pre_hook(_enter(running, counts))
         module.register_forward_hook(_leave, always_call=True)
     for layer in entering:
-        layer.__dict__[_ENTER] = _enter(config, counts)  # a function: a deep copy of the model shares it
-    hf_model._mindspeed_config = config
+        layer.__dict__[_ENTER] = _enter(running, counts)  # a function: a deep copy of the model shares it
+    hf_model._mindspeed_config, hf_model._mindspeed_running = config, running
+
+
+def _choices(hf_model: nn.Module) -> frozenset[str]:
+    """The ops HF's code may run on this model (patches/choice.py): none for a model without a transformers
+    config (a diffusers denoiser)."""
+    model_config = getattr(hf_model, "config", None)
+    return choice.candidates(model_config) if hasattr(model_config, "model_type") else frozenset()
+
+
+def running_config_of(model: nn.Module) -> MindSpeedConfig:
+    """The config current while `model` runs: its own (or the process one) as its choices make it."""
+    running = vars(model).get("_mindspeed_running")
+    return running if running is not None else choice.running_config(config_of(model), _choices(model))
 
 
 def ran(hf_model: nn.Module) -> dict[str, int]:
@@ -209,7 +237,7 @@ def count_runs(hf_model: nn.Module) -> None:
     it, without giving it a config of its own. A later attach() replaces this."""
     if any(getattr(h, "_mindspeed_scope", False) for h in hf_model._forward_pre_hooks.values()):
         return
-    hf_model.register_forward_pre_hook(_enter(None, ran(hf_model)))
+    hf_model.register_forward_pre_hook(_enter(None, ran(hf_model), _choices(hf_model)))
     hf_model.register_forward_hook(_leave, always_call=True)
 
 
@@ -223,6 +251,7 @@ def detach(hf_model: nn.Module) -> None:
                 del hooks[key]
                 module._forward_hooks_always_called.pop(key, None)
     hf_model.__dict__.pop("_mindspeed_config", None)
+    hf_model.__dict__.pop("_mindspeed_running", None)
 
 
 def switch(op: str, fast: Callable, original: Callable, model_forward: bool = False,
@@ -246,7 +275,7 @@ def switch(op: str, fast: Callable, original: Callable, model_forward: bool = Fa
         def dispatch(*args: Any, **kwargs: Any) -> Any:
             owner = vars(args[0])
             if "_mindspeed_ran" in owner and not owner.get("_mindspeed_tokens"):
-                with _inside(args[0], owner.get("_mindspeed_config")):
+                with _inside(args[0], owner.get("_mindspeed_running")):
                     return run(*args, **kwargs)
             return run(*args, **kwargs)
     elif layer_forward:
@@ -293,10 +322,11 @@ def _inside(model: nn.Module, config: MindSpeedConfig | None) -> Iterator[None]:
     """What the model's own hooks do around its forward, for a forward that was called past them. While Dynamo
     traces, the model's counter is not even read: the graph would be guarded on its values, and every eager forward
     in between (generate's prefill) would make the next compiled call recompile."""
+    ops = _choices(model) if config is None else frozenset()
     if torch.compiler.is_compiling():
-        _enter_traced(config)
+        _enter_traced(config if config is not None else _outermost(ops, compiling=True))
     else:
-        _enter(config, ran(model))(model, ())
+        _enter(config, ran(model), ops)(model, ())
     try:
         yield
     finally:

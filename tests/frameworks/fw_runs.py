@@ -32,6 +32,7 @@ def framework_env(accelerated: bool, dump: Path | None = None, extra: dict | Non
     env.pop("FORCE_TORCHRUN", None)
     if accelerated:
         env["PYTHONPATH"] = str(HOOK)
+        env["MINDSPEED_HF_KERNELS_TORCH_PATH"] = "fused"  # ours everywhere on the CPU: compared with HF's
         if dump is not None:
             env["MSHF_TEST_DUMP"] = str(dump)
     else:

@@ -1,0 +1,88 @@
+"""On the torch backend, HF's own code wherever it is the faster path (kernels.torch_path: auto).
+
+The torch backend (backend: auto in a process without an NPU or a GPU, or backend: torch anywhere) runs our ops as
+pure torch: HF's math, through one more layer of Python per call. Measured on CPU, one thread, in one process
+against plain HF (benchmarks/results/kernel_costs_cpu.md, docs/host_time.md), ours costs more host time for RMSNorm,
+SwiGLU, attention where no key/value heads are shared, and the loss of a small vocabulary; it gains for rotary
+embeddings, for attention of a model with shared key/value heads (SDPA shares them in its kernel on a padded batch,
+where HF repeats them first) and for the chunked loss of a large vocabulary (faster, and a fraction of the memory).
+
+So under `auto` a model on the torch backend runs HF's code for the first group: the config current while it runs
+(`running_config`) has those kernels off, the choice made once per model from its config, and report()["hf_path"]
+says which and why. `fused` runs ours everywhere (the reference the device kernels are checked against, what the
+test suite runs). The device backends always run ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from ..config import MindSpeedConfig
+from ..device import detect_device_type
+
+# The loss of a vocabulary up to this size runs HF's head and cross-entropy on the torch backend: its logits are
+# small ([tokens, vocabulary] fp32) and the chunked op's fixed cost is not repaid (measured below it; above it the
+# chunked loss is as fast or faster, docs/host_time.md).
+SMALL_VOCAB = 4096
+
+#: op -> why HF's code runs it on the torch backend under kernels.torch_path: auto
+REASONS = {
+    "rms_norm": "HF's RMSNorm: on the torch backend ours is the same math with one more call (slower)",
+    "swiglu": "HF's MLP: on the torch backend ours is the same math with one more call (slower)",
+    "attention": "HF's sdpa: no shared key/value heads for SDPA to share, so ours would add only its call (slower)",
+    "fused_linear_cross_entropy": f"HF's loss: a vocabulary of at most {SMALL_VOCAB} keeps the logits small, and the "
+                                  "chunked loss's fixed cost is not repaid on the torch backend (slower)",
+}
+
+
+def candidates(model_config: Any) -> frozenset[str]:
+    """The ops for which HF's code is the faster path on the torch backend, for a model of `model_config` (its text
+    model's sizes: heads, key/value heads, vocabulary)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    ops = {"rms_norm", "swiglu"}
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads < heads):
+        ops.add("attention")
+    vocab = getattr(text, "vocab_size", None)
+    if isinstance(vocab, int) and vocab <= SMALL_VOCAB:
+        ops.add("fused_linear_cross_entropy")
+    return frozenset(ops)
+
+
+@functools.cache
+def _process_device_type() -> str:
+    return detect_device_type()
+
+
+def on_torch_backend(config: MindSpeedConfig) -> bool:
+    """Whether models under `config` run the torch backend: backend torch, or auto in a process with no NPU or GPU
+    (a model is trained on the process's accelerator where it has one)."""
+    return config.backend == "torch" or (config.backend == "auto" and _process_device_type() == "cpu")
+
+
+_RUNNING: dict[tuple[int, frozenset[str]], tuple[MindSpeedConfig, MindSpeedConfig]] = {}
+
+
+def running_config(config: MindSpeedConfig, ops: frozenset[str]) -> MindSpeedConfig:
+    """The config current while a model runs: `config`, with the kernels of `ops` (the model's candidates) off
+    where HF's code runs them instead (kernels.torch_path: auto, on the torch backend). Made once per (config,
+    candidates); `config` itself when nothing changes."""
+    key = (id(config), ops)
+    hit = _RUNNING.get(key)
+    if hit is not None and hit[0] is config:
+        return hit[1]
+    off = [op for op in sorted(ops) if getattr(config.kernels, op)] \
+        if config.kernels.torch_path == "auto" and on_torch_backend(config) else []
+    running = dataclasses.replace(config, kernels=dataclasses.replace(config.kernels, **dict.fromkeys(off, False))) \
+        if off else config
+    _RUNNING[key] = (config, running)
+    return running
+
+
+def hf_path(config: MindSpeedConfig, running: MindSpeedConfig) -> dict[str, str]:
+    """op -> why HF's code runs it: the kernels `config` asks for that its running config hands to HF."""
+    return {op: reason for op, reason in REASONS.items()
+            if getattr(config.kernels, op) and not getattr(running.kernels, op)}

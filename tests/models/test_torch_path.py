@@ -1,0 +1,89 @@
+"""kernels.torch_path: auto (the default) on the torch backend: HF's own code runs the ops where ours is slower there
+(RMSNorm, SwiGLU, attention without shared key/value heads, the loss of a small vocabulary), report() names them
+and why, what ran counts only ours, and the results are plain HF's. The device backends and `fused` run ours."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from tiny_models import assert_close_grads, loss_and_grads, packed_batch, padded_batch, tiny_model
+
+import mindspeed_hf
+from mindspeed_hf.config import config_from_dict
+from mindspeed_hf.patches import choice
+from mindspeed_hf.runtime import watch
+
+pytestmark = pytest.mark.torch_path_auto
+
+SMALL_VOCAB_CHOICES = {"rms_norm", "swiglu", "fused_linear_cross_entropy"}
+
+
+def _batches():
+    return {"padded": padded_batch(), "packed": packed_batch()}
+
+
+def test_hf_code_runs_where_ours_is_slower_and_the_results_are_hf(caplog):
+    model = tiny_model("qwen3")  # shared key/value heads (4 / 2), vocabulary 128
+    expected = {name: loss_and_grads(model, batch) for name, batch in _batches().items()}
+    mindspeed_hf.enable()
+    with caplog.at_level(logging.INFO, logger="mindspeed_hf"):
+        report = mindspeed_hf.apply_to_model(model)
+    assert set(report["hf_path"]) == SMALL_VOCAB_CHOICES
+    assert all("slower" in why for why in report["hf_path"].values())
+    assert report["kernels"]["rms_norm"] == report["kernels"]["swiglu"] == 0
+    assert report["kernels"]["fused_linear_cross_entropy"] == 0
+    assert report["kernels"]["rope"] == report["kernels"]["attention"] == 2  # ours: rope, and attention (GQA)
+    assert "HF's code where it is faster here: rms_norm, swiglu, fused_linear_cross_entropy" in caplog.text
+    for name, batch in _batches().items():
+        loss, grads = loss_and_grads(model, batch)
+        torch.testing.assert_close(loss, expected[name][0], atol=1e-5, rtol=1e-5)
+        assert_close_grads(expected[name][1], grads)
+    ran = mindspeed_hf.report(model)["ran"]
+    assert ran["rope"] == ran["attention"] == 4 and ran["rms_norm"] == ran["swiglu"] == 0
+    assert ran["fused_linear_cross_entropy"] == 0
+    assert watch.idle_kernels(model, {})[0] == []  # nothing handed to HF is said to be idle
+
+
+def test_attention_without_shared_heads_and_a_large_vocabulary():
+    model = tiny_model("qwen3", num_key_value_heads=4, vocab_size=choice.SMALL_VOCAB + 1)
+    batch = padded_batch()
+    expected = loss_and_grads(model, batch)
+    mindspeed_hf.enable()
+    report = mindspeed_hf.apply_to_model(model)
+    assert set(report["hf_path"]) == {"rms_norm", "swiglu", "attention"}
+    assert report["attention_implementation"] == "sdpa" and report["kernels"]["attention"] == 0
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
+    assert_close_grads(expected[1], grads)
+    assert mindspeed_hf.report(model)["ran"]["fused_linear_cross_entropy"] == 1  # the chunked loss pays here
+
+
+def test_a_model_built_while_enabled_follows_the_choice():
+    mindspeed_hf.enable()
+    model = tiny_model("qwen3", num_key_value_heads=4)  # never given to apply_to_model or a trainer
+    assert model.config._attn_implementation == "sdpa"  # HF's default kept: no shared heads
+    model(**padded_batch())
+    ran = mindspeed_hf.report(model)["ran"]
+    assert ran["rope"] == 2 and ran["rms_norm"] == ran["swiglu"] == ran["attention"] == 0
+    assert set(mindspeed_hf.report(model)["hf_path"]) == SMALL_VOCAB_CHOICES | {"attention"}
+
+
+@pytest.mark.parametrize("settings", [{"kernels": {"torch_path": "fused"}}, {"backend": "npu"}],
+                         ids=["fused", "npu"])
+def test_fused_and_the_device_backends_run_ours(settings):
+    model = tiny_model("qwen3", num_key_value_heads=4)
+    mindspeed_hf.enable(config_from_dict(settings))
+    report = mindspeed_hf.apply_to_model(model)
+    assert report["hf_path"] == {}
+    assert report["attention_implementation"] == "mindspeed"
+    model(**padded_batch())
+    ran = mindspeed_hf.report(model)["ran"]
+    assert all(ran[op] for op in ("rms_norm", "swiglu", "rope", "attention", "fused_linear_cross_entropy"))
+
+
+def test_a_switched_off_kernel_is_not_listed_as_handed_to_hf():
+    mindspeed_hf.enable(config_from_dict({"kernels": {"rms_norm": False}}))
+    report = mindspeed_hf.apply_to_model(tiny_model("qwen3"))
+    assert set(report["hf_path"]) == {"swiglu", "fused_linear_cross_entropy"}
