@@ -8,11 +8,10 @@ from pathlib import Path
 os.environ["MINDSPEED_HF_AUTO"] = "0"
 os.environ.pop("MINDSPEED_HF_BACKEND", None)
 os.environ.pop("MINDSPEED_HF_CONFIG", None)
-# The suite checks our kernels against HF's, so on this CPU it runs ours everywhere: kernels.torch_path: fused for
-# child processes (a config they load), and in this process the `_our_kernels_on_cpu` fixture below. The default (auto:
-# HF's code where ours is slower on the torch backend) is tested by the tests marked torch_path_auto
+# The suite checks our kernels against HF's, so on this CPU it runs ours everywhere: the `_our_kernels_on_cpu` fixture
+# below in this process, kernels.torch_path: fused in child runs (child_runs.child_env). The default (auto: HF's code
+# where ours is slower on the torch backend) is tested by the tests marked torch_path_auto
 # (tests/models/test_torch_path.py) and by the CI's training run.
-os.environ["MINDSPEED_HF_KERNELS_TORCH_PATH"] = "fused"
 STANDIN = Path(__file__).parent / "npu_standin"
 sys.path.insert(0, str(STANDIN))
 # With the stand-in importable, DeepSpeed (imported by accelerate whenever it is installed) would pick its NPU
@@ -62,9 +61,7 @@ def _restore_mindspeed():
 def _our_kernels_on_cpu(request, monkeypatch):
     """Every config built in a test runs our kernels on the torch backend, as kernels.torch_path: fused would (the
     tests compare them with HF's); a test marked torch_path_auto gets the default choice instead."""
-    if request.node.get_closest_marker("torch_path_auto"):
-        monkeypatch.delenv("MINDSPEED_HF_KERNELS_TORCH_PATH")
-    else:
+    if not request.node.get_closest_marker("torch_path_auto"):
         monkeypatch.setattr(choice, "on_torch_backend", lambda config: False)
 
 
