@@ -23,7 +23,8 @@ def _listed(kernels: dict[str, int]) -> str:
 def applied(report: dict[str, Any]) -> str:
     """What report(model) says ran, as one phrase: report()["ran"] (op -> executions of our kernels) when the
     report has it, else the patched sites per op (report()["kernels"]); then what it says was kept (`kept`: an op
-    left to another implementation, and why) and a vision tower's and an audio tower's own kernels."""
+    left to another implementation, and why), the ops HF's own code runs being faster there (`hf_path`) and a vision
+    tower's and an audio tower's own kernels."""
     ran = report.get("ran")
     text = f"kernel calls {_listed(ran)}" if ran and _listed(ran) else _listed(report["kernels"])
     kept = "; ".join(f"{op}: {why}" for op, why in (report.get("kept") or {}).items())
@@ -33,6 +34,8 @@ def applied(report: dict[str, Any]) -> str:
     parts += [f"vision tower: {vision}"] if vision else []
     parts += [f"audio tower: {audio}"] if audio else []
     parts += [f"kept: {kept}"] if kept else []
+    hf_path = ", ".join(report.get("hf_path") or {})
+    parts += [f"HF's code where it is faster on this backend: {hf_path}"] if hf_path else []
     fell_back = _listed(report.get("fallbacks") or {})
     parts += [f"fell back to the torch path: {fell_back}"] if fell_back else []
     return "; ".join(p for p in parts if p) or "nothing"

@@ -29,6 +29,9 @@ def test_summary_phrase_is_what_report_says():
     assert summary.applied(report) == "rms_norm x17; kept: attention: mindspeed_cp"
     ran = dict(report, ran={"rms_norm": 2040, "swiglu": 480, "attention": 0})  # executions, when report() has them
     assert summary.applied(ran) == "kernel calls rms_norm x2,040, swiglu x480; kept: attention: mindspeed_cp"
+    hf = dict(ran, hf_path={"swiglu": "HF's MLP ...", "fused_linear_cross_entropy": "HF's loss ..."})
+    assert summary.applied(hf).endswith("; HF's code where it is faster on this backend: swiglu, "
+                                        "fused_linear_cross_entropy")
 
 
 def test_third_party_quiet_keeps_ours_and_errors(caplog):
