@@ -18,7 +18,7 @@ from ..ops import registry
 from ..ops.attention import ATTENTION_NAME, OUR_ATTENTIONS, register_attention, unregister_attention
 from ..ops.experts import define_traced_op
 from ..releases import compat
-from . import choice, diffusion, experts, linear_attention, scope, third_party
+from . import diffusion, experts, linear_attention, scope, third_party
 from .announce import announce as _announce
 from .engine import FUSED_LAYERS, PATCHES
 from .families import FAMILIES, ModelFamily
@@ -44,14 +44,12 @@ def _replaceable(model: nn.Module, family: ModelFamily) -> bool:
 
 def _attention_default(original, family: ModelFamily):
     """Wrap XPreTrainedModel.get_correct_attn_implementation: the default (no request) becomes our kernel when the
-    current config has attention on (and HF's sdpa is not the faster path for this model, choice.py); an explicit
-    request ("sdpa", "eager", ...) is kept and remembered."""
+    current config has attention on; an explicit request ("sdpa", "eager", ...) is kept and remembered."""
 
     @functools.wraps(original)
     def get_correct_attn_implementation(self, requested_attention=None, is_init_check=False):
         if requested_attention is None:
-            on = choice.running_config(scope.current(), choice.candidates(self.config)).kernels.attention
-            if on and self._supports_sdpa and _replaceable(self, family):
+            if scope.kernel_on("attention") and self._supports_sdpa and _replaceable(self, family):
                 requested_attention = ATTENTION_NAME
         else:
             requested_attention = _taken_flash(self, family, requested_attention)
@@ -239,14 +237,13 @@ def apply_to_model(model: nn.Module, config: MindSpeedConfig | None = None) -> d
         _patch_family(family)
     scope.attach(hf_model, config)
     _models.add(hf_model)
-    attention_on = scope.running_config_of(hf_model).kernels.attention  # HF's sdpa where it is faster (choice.py)
     current = compat.attn_implementation(hf_model.config)
     if current == ATTENTION_NAME and _sub_models_on(hf_model, "sdpa"):
         current = "sdpa"  # a nested sub-model left on sdpa (4.57's Qwen3-TTS code predictor built while enabled)
     if getattr(hf_model, "_mindspeed_explicit_attention", None) is None:
-        if attention_on and current == "sdpa" and _replaceable(hf_model, family):
+        if config.kernels.attention and current == "sdpa" and _replaceable(hf_model, family):
             _set_attention(hf_model, ATTENTION_NAME)
-        elif not attention_on and current == ATTENTION_NAME:
+        elif not config.kernels.attention and current == ATTENTION_NAME:
             _set_attention(hf_model, "sdpa")
         hf_model.__dict__.pop("_mindspeed_explicit_attention", None)  # set_attn_implementation is ours, not theirs
     if family.experts:

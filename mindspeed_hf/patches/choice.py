@@ -1,16 +1,18 @@
 """On the torch backend, HF's own code wherever it is the faster path (kernels.torch_path: auto).
 
 The torch backend (backend: auto in a process without an NPU or a GPU, or backend: torch anywhere) runs our ops as
-pure torch: HF's math, through one more layer of Python per call. Measured on CPU, one thread, in one process
-against plain HF (benchmarks/results/kernel_costs_cpu.md, docs/host_time.md), ours costs more host time for RMSNorm,
-SwiGLU, attention where no key/value heads are shared, and the loss of a small vocabulary; it gains for rotary
-embeddings, for attention of a model with shared key/value heads (SDPA shares them in its kernel on a padded batch,
-where HF repeats them first) and for the chunked loss of a large vocabulary (faster, and a fraction of the memory).
+pure torch: HF's math, through one more layer of Python per call. Measured on CPU, one thread, in whole training
+steps against plain HF (benchmarks/results/torch_path_cpu.md, docs/host_time.md), ours costs more host time for
+RMSNorm, SwiGLU and the loss of a small vocabulary; it gains for rotary embeddings and for the chunked loss of a
+large vocabulary (faster, and a fraction of the memory). Attention stays ours whatever it costs: it keeps packed
+documents apart where HF's sdpa does not (a forward with a cache, documents told only by cu_seq_lens) and shares
+key/value heads on a padded batch where HF repeats them.
 
-So under `auto` a model on the torch backend runs HF's code for the first group: the config current while it runs
-(`running_config`) has those kernels off, the choice made once per model from its config, and report()["hf_path"]
-says which and why. `fused` runs ours everywhere (the reference the device kernels are checked against, what the
-test suite runs). The device backends always run ours.
+So under `auto` a single-process model (no tensor, context or expert parallelism, whose steps build on our kernels)
+on the torch backend runs HF's code for the first group: the config current while it runs (`running_config`) has
+those kernels off, the choice made once per model from its config, and report()["hf_path"] says which and why.
+`fused` runs ours everywhere (the reference the device kernels are checked against, what the test suite runs). The
+device backends always run ours.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ SMALL_VOCAB = 4096
 REASONS = {
     "rms_norm": "HF's RMSNorm: on the torch backend ours is the same math with one more call (slower)",
     "swiglu": "HF's MLP: on the torch backend ours is the same math with one more call (slower)",
-    "attention": "HF's sdpa: no shared key/value heads for SDPA to share, so ours would add only its call (slower)",
     "fused_linear_cross_entropy": f"HF's loss: a vocabulary of at most {SMALL_VOCAB} keeps the logits small, and the "
                                   "chunked loss's fixed cost is not repaid on the torch backend (slower)",
 }
@@ -39,13 +40,9 @@ REASONS = {
 
 def candidates(model_config: Any) -> frozenset[str]:
     """The ops for which HF's code is the faster path on the torch backend, for a model of `model_config` (its text
-    model's sizes: heads, key/value heads, vocabulary)."""
+    model's vocabulary decides the loss)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     ops = {"rms_norm", "swiglu"}
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if not (isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads < heads):
-        ops.add("attention")
     vocab = getattr(text, "vocab_size", None)
     if isinstance(vocab, int) and vocab <= SMALL_VOCAB:
         ops.add("fused_linear_cross_entropy")
@@ -55,6 +52,12 @@ def candidates(model_config: Any) -> frozenset[str]:
 @functools.cache
 def _process_device_type() -> str:
     return detect_device_type()
+
+
+def _single_process(config: MindSpeedConfig) -> bool:
+    """No tensor, context or expert parallelism: their steps (vocab-parallel loss, sequence-parallel norms, split
+    batches) are built on our kernels."""
+    return config.parallel.tp == config.parallel.cp == config.parallel.ep == 1
 
 
 def on_torch_backend(config: MindSpeedConfig) -> bool:
@@ -68,14 +71,14 @@ _RUNNING: dict[tuple[int, frozenset[str]], tuple[MindSpeedConfig, MindSpeedConfi
 
 def running_config(config: MindSpeedConfig, ops: frozenset[str]) -> MindSpeedConfig:
     """The config current while a model runs: `config`, with the kernels of `ops` (the model's candidates) off
-    where HF's code runs them instead (kernels.torch_path: auto, on the torch backend). Made once per (config,
-    candidates); `config` itself when nothing changes."""
+    where HF's code runs them instead (kernels.torch_path: auto, a single-process model on the torch backend). Made
+    once per (config, candidates); `config` itself when nothing changes."""
     key = (id(config), ops)
     hit = _RUNNING.get(key)
     if hit is not None and hit[0] is config:
         return hit[1]
-    off = [op for op in sorted(ops) if getattr(config.kernels, op)] \
-        if config.kernels.torch_path == "auto" and on_torch_backend(config) else []
+    chooses = config.kernels.torch_path == "auto" and _single_process(config) and on_torch_backend(config)
+    off = [op for op in sorted(ops) if getattr(config.kernels, op)] if chooses else []
     running = dataclasses.replace(config, kernels=dataclasses.replace(config.kernels, **dict.fromkeys(off, False))) \
         if off else config
     _RUNNING[key] = (config, running)

@@ -1,6 +1,7 @@
 """kernels.torch_path: auto (the default) on the torch backend: HF's own code runs the ops where ours is slower there
-(RMSNorm, SwiGLU, attention without shared key/value heads, the loss of a small vocabulary), report() names them
-and why, what ran counts only ours, and the results are plain HF's. The device backends and `fused` run ours."""
+(RMSNorm, SwiGLU, the loss of a small vocabulary) in a single-process model, report() names them and why, what ran
+counts only ours, and the results are plain HF's. Attention, rope and a large vocabulary's loss stay ours; the device
+backends, `fused` and tensor / context / expert parallelism run ours everywhere."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_hf_code_runs_where_ours_is_slower_and_the_results_are_hf(caplog):
     assert all("slower" in why for why in report["hf_path"].values())
     assert report["kernels"]["rms_norm"] == report["kernels"]["swiglu"] == 0
     assert report["kernels"]["fused_linear_cross_entropy"] == 0
-    assert report["kernels"]["rope"] == report["kernels"]["attention"] == 2  # ours: rope, and attention (GQA)
+    assert report["kernels"]["rope"] == report["kernels"]["attention"] == 2  # ours: rope and attention
     assert "HF's code where it is faster here: rms_norm, swiglu, fused_linear_cross_entropy" in caplog.text
     for name, batch in _batches().items():
         loss, grads = loss_and_grads(model, batch)
@@ -46,14 +47,14 @@ def test_hf_code_runs_where_ours_is_slower_and_the_results_are_hf(caplog):
     assert watch.idle_kernels(model, {})[0] == []  # nothing handed to HF is said to be idle
 
 
-def test_attention_without_shared_heads_and_a_large_vocabulary():
-    model = tiny_model("qwen3", num_key_value_heads=4, vocab_size=choice.SMALL_VOCAB + 1)
+def test_a_large_vocabulary_keeps_the_chunked_loss():
+    model = tiny_model("qwen3", num_key_value_heads=4, vocab_size=choice.SMALL_VOCAB + 1)  # no shared heads either
     batch = padded_batch()
     expected = loss_and_grads(model, batch)
     mindspeed_hf.enable()
     report = mindspeed_hf.apply_to_model(model)
-    assert set(report["hf_path"]) == {"rms_norm", "swiglu", "attention"}
-    assert report["attention_implementation"] == "sdpa" and report["kernels"]["attention"] == 0
+    assert set(report["hf_path"]) == {"rms_norm", "swiglu"}
+    assert report["attention_implementation"] == "mindspeed" and report["kernels"]["attention"] == 2
     loss, grads = loss_and_grads(model, batch)
     torch.testing.assert_close(loss, expected[0], atol=1e-5, rtol=1e-5)
     assert_close_grads(expected[1], grads)
@@ -62,18 +63,19 @@ def test_attention_without_shared_heads_and_a_large_vocabulary():
 
 def test_a_model_built_while_enabled_follows_the_choice():
     mindspeed_hf.enable()
-    model = tiny_model("qwen3", num_key_value_heads=4)  # never given to apply_to_model or a trainer
-    assert model.config._attn_implementation == "sdpa"  # HF's default kept: no shared heads
+    model = tiny_model("qwen3")  # never given to apply_to_model or a trainer
     model(**padded_batch())
     ran = mindspeed_hf.report(model)["ran"]
-    assert ran["rope"] == 2 and ran["rms_norm"] == ran["swiglu"] == ran["attention"] == 0
-    assert set(mindspeed_hf.report(model)["hf_path"]) == SMALL_VOCAB_CHOICES | {"attention"}
+    assert ran["rope"] == ran["attention"] == 2 and ran["rms_norm"] == ran["swiglu"] == 0
+    assert ran["fused_linear_cross_entropy"] == 0
+    assert set(mindspeed_hf.report(model)["hf_path"]) == SMALL_VOCAB_CHOICES
 
 
-@pytest.mark.parametrize("settings", [{"kernels": {"torch_path": "fused"}}, {"backend": "npu"}],
-                         ids=["fused", "npu"])
-def test_fused_and_the_device_backends_run_ours(settings):
-    model = tiny_model("qwen3", num_key_value_heads=4)
+@pytest.mark.parametrize("settings", [{"kernels": {"torch_path": "fused"}}, {"backend": "npu"},
+                                      {"parallel": {"tp": 2}}, {"parallel": {"cp": 2}}],
+                         ids=["fused", "npu", "tp", "cp"])
+def test_fused_the_device_backends_and_the_parallel_axes_run_ours(settings):
+    model = tiny_model("qwen3")
     mindspeed_hf.enable(config_from_dict(settings))
     report = mindspeed_hf.apply_to_model(model)
     assert report["hf_path"] == {}
