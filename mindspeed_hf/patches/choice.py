@@ -9,7 +9,8 @@ documents apart where HF's sdpa does not (a forward with a cache, documents told
 key/value heads on a padded batch where HF repeats them.
 
 So under `auto` a single-process model (no tensor, context or expert parallelism, whose steps build on our kernels)
-on the torch backend runs HF's code for the first group: the config current while it runs (`running_config`) has
+on the torch backend runs HF's code for the first group (the loss only where its own settings, skip_logits: always
+or a loss_chunk_size, do not ask for ours): the config current while it runs (`running_config`) has
 those kernels off, the choice made once per model from its config, and report()["hf_path"] says which and why.
 `fused` runs ours everywhere (the reference the device kernels are checked against, what the test suite runs). The
 device backends always run ours.
@@ -60,6 +61,13 @@ def _single_process(config: MindSpeedConfig) -> bool:
     return config.parallel.tp == config.parallel.cp == config.parallel.ep == 1
 
 
+def _asked_for(config: MindSpeedConfig, op: str) -> bool:
+    """The config's own settings of `op` ask for our kernel: the fused loss where the logits are skipped always or
+    its chunk size is set."""
+    kernels = config.kernels
+    return op == "fused_linear_cross_entropy" and (kernels.skip_logits == "always" or kernels.loss_chunk_size > 0)
+
+
 def on_torch_backend(config: MindSpeedConfig) -> bool:
     """Whether models under `config` run the torch backend: backend torch, or auto in a process with no NPU or GPU
     (a model is trained on the process's accelerator where it has one)."""
@@ -78,7 +86,7 @@ def running_config(config: MindSpeedConfig, ops: frozenset[str]) -> MindSpeedCon
     if hit is not None and hit[0] is config:
         return hit[1]
     chooses = config.kernels.torch_path == "auto" and _single_process(config) and on_torch_backend(config)
-    off = [op for op in sorted(ops) if getattr(config.kernels, op)] if chooses else []
+    off = [op for op in sorted(ops) if getattr(config.kernels, op) and not _asked_for(config, op)] if chooses else []
     running = dataclasses.replace(config, kernels=dataclasses.replace(config.kernels, **dict.fromkeys(off, False))) \
         if off else config
     _RUNNING[key] = (config, running)

@@ -85,6 +85,16 @@ def test_fused_the_device_backends_and_the_parallel_axes_run_ours(settings):
     assert all(ran[op] for op in ("rms_norm", "swiglu", "rope", "attention", "fused_linear_cross_entropy"))
 
 
+@pytest.mark.parametrize("loss", [{"skip_logits": "always"}, {"loss_chunk_size": 16}])
+def test_the_loss_settings_keep_the_fused_loss(loss):
+    mindspeed_hf.enable(config_from_dict({"kernels": loss}))
+    model = tiny_model("qwen3")
+    report = mindspeed_hf.apply_to_model(model)
+    assert set(report["hf_path"]) == {"rms_norm", "swiglu"}
+    model(**padded_batch())
+    assert mindspeed_hf.report(model)["ran"]["fused_linear_cross_entropy"] == 1
+
+
 def test_a_switched_off_kernel_is_not_listed_as_handed_to_hf():
     mindspeed_hf.enable(config_from_dict({"kernels": {"rms_norm": False}}))
     report = mindspeed_hf.apply_to_model(tiny_model("qwen3"))
