@@ -107,6 +107,7 @@ def test_family_is_patched_when_its_modeling_module_is_imported():
     import subprocess
     import sys
 
-    env = {**os.environ, "MINDSPEED_HF_AUTO": "1", "MINDSPEED_HF_BACKEND": "torch"}
+    env = {**os.environ, "MINDSPEED_HF_AUTO": "1", "MINDSPEED_HF_BACKEND": "torch",
+           "MINDSPEED_HF_KERNELS_TORCH_PATH": "fused"}  # ours everywhere: the script counts every kernel
     done = subprocess.run([sys.executable, "-c", LAZY_FAMILY], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
