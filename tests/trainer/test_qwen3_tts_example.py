@@ -53,7 +53,8 @@ def test_script_runs_from_yaml(checkpoint, tmp_path):
     training = dict(max_steps=STEPS, per_device_train_batch_size=4, optim="adamw_torch", learning_rate=1e-3,
                     logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
     config = _yaml(checkpoint, "run.yaml", model={"name_or_path": "ckpt"}, data={"train": "train.jsonl"},
-                   losses_file="losses.jsonl", accelerator={"backend": "torch"},
+                   losses_file="losses.jsonl",
+                   accelerator={"backend": "torch", "kernels": {"torch_path": "fused"}},
                    training={"output_dir": str(tmp_path / "out"), **training})
     run([sys.executable, str(EXAMPLE / "finetune.py"), str(config)], auto=True)
     lines = [json.loads(line) for line in (checkpoint / "losses.jsonl").read_text().splitlines()]
