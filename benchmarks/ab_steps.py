@@ -11,13 +11,15 @@ import time
 from collections.abc import Callable
 
 RUNS = ("plain HF", "mindspeed_hf")
+CONTROL = "plain HF again"  # a second plain run: the ratio two identical runs give is the comparison's resolution
 PROCESS = "process config"  # a run under the process config (what `import mindspeed_hf` gives a user)
 
 
 def alternating_steps(build: Callable, batches: list[dict], configs: dict, rounds: int, steps: int
                       ) -> tuple[dict, dict, dict]:
     """Runs named by `configs` ({name: None for plain HF, PROCESS, or a MindSpeedConfig}) on copies of `build()`,
-    alternating round by round, `steps` steps each (the batches in turn). Returns ({name: [(forward, backward, step)
+    alternating round by round (in `configs`' order, then reversed: no run always follows the same one), `steps`
+    steps each (the batches in turn). Returns ({name: [(forward, backward, step)
     seconds, median over the steps after 3, one tuple per round]}, {name: the first round's losses}, {name: what
     report() said ran in its first round})."""
     import torch
@@ -31,8 +33,9 @@ def alternating_steps(build: Callable, batches: list[dict], configs: dict, round
     phases: dict[str, list[tuple[float, float, float]]] = {name: [] for name in configs}
     losses: dict[str, list[float]] = {}
     ran: dict[str, dict[str, int]] = {}
-    for _ in range(rounds):
-        for name, config in configs.items():
+    for round_ in range(rounds):
+        for name in (list(configs) if round_ % 2 == 0 else list(reversed(configs))):
+            config = configs[name]
             model, optimizer = runs[name]
             if config is not None:
                 mindspeed_hf.enable()
@@ -57,15 +60,18 @@ def alternating_steps(build: Callable, batches: list[dict], configs: dict, round
     return phases, losses, ran
 
 
-def step_phases(family: str, shape: tuple[int, int], rounds: int, steps: int) -> tuple[dict, dict, dict]:
+def step_phases(family: str, shape: tuple[int, int], rounds: int, steps: int, control: bool = False
+                ) -> tuple[dict, dict, dict]:
     """Plain HF against mindspeed_hf under the process config on the tiny `family` model, `shape` tokens (labels =
-    the inputs): ({run: per-round (forward, backward, step) medians}, {run: losses}, what ran in mindspeed_hf)."""
+    the inputs), with a second plain run (CONTROL) where `control`: ({run: per-round (forward, backward, step)
+    medians}, {run: losses}, what ran in mindspeed_hf)."""
     import torch
     from tiny_models import VOCAB, tiny_model
 
     ids = torch.randint(2, VOCAB, shape, generator=torch.Generator().manual_seed(1))
     phases, losses, ran = alternating_steps(lambda: tiny_model(family), [{"input_ids": ids, "labels": ids}],
-                                            dict(zip(RUNS, (None, PROCESS))), rounds, steps)
+                                            {RUNS[0]: None, RUNS[1]: PROCESS, **({CONTROL: None} if control else {})},
+                                            rounds, steps)
     return phases, losses, ran.get(RUNS[1], {})
 
 

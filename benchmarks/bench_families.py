@@ -7,8 +7,9 @@ step (wall, after the first 5), and the losses (plain and accelerated must agree
 
     taskset -c 1 python benchmarks/bench_families.py --pairs 3 --steps 25 --out benchmarks/results/families_cpu.md
 
-`--in-process`: both runs of each family in this one process instead, alternating round by round (mindspeed_hf
-disabled and enabled between rounds, benchmarks/ab_steps.py): without the +-10% spread between processes.
+`--in-process`: the runs of each family in this one process instead, alternating round by round (mindspeed_hf
+disabled and enabled between rounds, benchmarks/ab_steps.py): without the +-10% spread between processes; a
+second plain run beside them shows what two identical runs differ by.
 
     taskset -c 1 python benchmarks/bench_families.py --in-process --rounds 8 --steps 30 \
         --out benchmarks/results/families_inprocess_cpu.md
@@ -25,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from results_io import emit
+from results_io import emit, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,24 +124,24 @@ def in_process(families: list[str], args: argparse.Namespace) -> str:
     os.environ.update(MINDSPEED_HF_AUTO="0", MINDSPEED_HF_BACKEND="torch", TRANSFORMERS_VERBOSITY="error")
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import torch
-    from ab_steps import ratios, step_phases
+    from ab_steps import CONTROL, ratios, step_phases
 
     torch.set_num_threads(1)
     lines = [f"`taskset -c N python benchmarks/bench_families.py {' '.join(sys.argv[1:])}`", "",
              f"Tiny models of tests/tiny_models.py, batch {args.batch} x {args.seq} tokens, fp32, backend torch, one "
-             f"process: plain HF and mindspeed_hf (two copies of each model from one seed) alternating over "
-             f"{args.rounds} rounds of {args.steps} steps (median of steps 4..), one thread, affinity "
-             f"{sorted(os.sched_getaffinity(0))}", "",
+             f"process: plain HF, mindspeed_hf and plain HF again (three copies of each model from one seed) "
+             f"alternating over {args.rounds} rounds of {args.steps} steps (median of steps 4..; the order reversed "
+             f"every other round), one thread, affinity {sorted(os.sched_getaffinity(0))}. The last ratio column, "
+             f"plain HF against itself, is what two identical runs differ by: the table's resolution.", "",
              "| family | plain HF step (ms) | mindspeed_hf step (ms) | ratio per round, median [min-max] | "
-             "max loss diff | kernels that ran |", "|---|---|---|---|---|---|"]
+             "max loss diff | kernels that ran | plain HF again / plain HF |", "|---|---|---|---|---|---|---|"]
     for family in families:
-        phases, losses, ran = step_phases(family, (args.batch, args.seq), args.rounds, args.steps)
+        phases, losses, ran = step_phases(family, (args.batch, args.seq), args.rounds, args.steps, control=True)
         plain, ours = (statistics.median(v[2] for v in phases[name]) * 1e3 for name in ("plain HF", "mindspeed_hf"))
-        per_round = ratios(phases)
+        per_round, again = ratios(phases), ratios(phases, CONTROL)
         diff = max(abs(a - b) for a, b in zip(losses["plain HF"], losses["mindspeed_hf"], strict=True))
-        lines.append(f"| {family} | {plain:.2f} | {ours:.2f} | {statistics.median(per_round):.3f}x "
-                     f"[{per_round[0]:.3f}-{per_round[-1]:.3f}] | {diff:.1e} | "
-                     f"{', '.join(op for op, n in ran.items() if n)} |")
+        lines.append(f"| {family} | {plain:.2f} | {ours:.2f} | {spread(per_round, 3)} | {diff:.1e} | "
+                     f"{', '.join(op for op, n in ran.items() if n)} | {spread(again, 3)} |")
     return "\n".join(lines) + "\n"
 
 

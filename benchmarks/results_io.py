@@ -24,11 +24,11 @@ def add_run_arguments(parser) -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
-def spread(values: list[float]) -> str:
-    """`median x [min-max]` of ratios measured over several process pairs."""
+def spread(values: list[float], digits: int = 2) -> str:
+    """`median x [min-max]` of ratios measured over several process pairs (or rounds)."""
     import statistics
 
-    return f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
+    return f"{statistics.median(values):.{digits}f}x [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
 def paired_rows(runs: list[dict[str, dict]], names: tuple[str, str] = ("plain HF", "mindspeed_hf")) -> list[str]:

@@ -36,7 +36,8 @@ class Kernel:
 
 _KERNELS: dict[str, dict[str, Kernel]] = {}
 # (op, requested backend, device or device type) -> the kernel chosen for it; emptied when a kernel is registered.
-_CHOSEN: dict[tuple[str, str, str], Kernel] = {}
+_CHOSEN: dict[tuple[str, str, str | torch.device], Kernel] = {}
+_DEVICE_BACKENDS: dict[str | torch.device, str] = {}  # device as given -> its own backend (resolve_backend)
 _backend = {"requested": None}  # set by set_backend(); None = read MINDSPEED_HF_BACKEND on first use
 # The backend of the model that is running now (its own config's), set around its forward by patches/scope.py.
 _running_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("mindspeed_hf_backend", default=None)
@@ -129,14 +130,20 @@ def requested_backend() -> str:
 def resolve_backend(device: torch.device | str) -> str:
     """The backend that kernels on `device` use: the forced one, or the device's own under `auto`."""
     requested = requested_backend()
-    if requested != "auto":
-        return requested
-    return _DEVICE_TO_BACKEND.get(torch.device(device).type, "torch")
+    return requested if requested != "auto" else _own_backend(device)
 
 
-def _choose(op: str, requested: str, device: str) -> Kernel:
+def _own_backend(device: torch.device | str) -> str:
+    """The backend of `device`'s type (npu, cuda; torch for any other), found once per device."""
+    backend = _DEVICE_BACKENDS.get(device)
+    if backend is None:
+        backend = _DEVICE_BACKENDS[device] = _DEVICE_TO_BACKEND.get(torch.device(device).type, "torch")
+    return backend
+
+
+def _choose(op: str, requested: str, device: torch.device | str) -> Kernel:
     kernels = _KERNELS[op]
-    backend = requested if requested != "auto" else _DEVICE_TO_BACKEND.get(torch.device(device).type, "torch")
+    backend = requested if requested != "auto" else _own_backend(device)
     kernel = kernels.get(backend)
     if kernel is None or not kernel.available():
         kernel = kernels["torch"]
@@ -144,17 +151,18 @@ def _choose(op: str, requested: str, device: str) -> Kernel:
 
 
 def _chosen(op: str, requested: str, device: torch.device | str) -> Kernel:
-    """The kernel for (op, requested backend, device type), chosen once and kept (availability checked then)."""
-    key = (op, requested, device if isinstance(device, str) else device.type)
+    """The kernel for (op, requested backend, device), chosen once and kept (availability checked then). Kept by the
+    device as given (a torch.device hashes in C, where reading its `.type` builds a string every call)."""
+    key = (op, requested, device)
     kernel = _CHOSEN.get(key)
     if kernel is None:
-        kernel = _CHOSEN[key] = _choose(op, requested, key[2])
+        kernel = _CHOSEN[key] = _choose(op, requested, device)
     return kernel
 
 
 def select(op: str, device: torch.device | str) -> Kernel:
     """The kernel that runs `op` for tensors on `device` (the torch reference when the backend has none). Chosen
-    once per (op, requested backend, device type)."""
+    once per (op, requested backend, device)."""
     return _chosen(op, requested_backend(), device)
 
 

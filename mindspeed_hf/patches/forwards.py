@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from ..ops.linear import project, stacks
+from ..ops.linear import project, stackable
+from ..ops.registry import has_own_kernel
 from ..ops.rms_norm import add_rms_norm, add_rms_norm_fuses, rms_norm
 from ..ops.rotary import apply_rotary_pos_emb
 from ..ops.swiglu import swiglu, swiglu_packed
@@ -80,8 +81,10 @@ def stacked_qkv_forward(original: Callable) -> Callable:
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or not has_own_kernel("stacked_linear", x.device):
+            return original(self, *args, **kwargs)  # (the backend's answer first: the cheaper question)
         layers = tuple(getattr(self, name, None) for name in QKV)
-        if not isinstance(x, torch.Tensor) or not stacks(x, layers):
+        if not stackable(x, layers):
             return original(self, *args, **kwargs)
         with _served(layers, x, project(x, layers)):
             return original(self, *args, **kwargs)

@@ -1,5 +1,5 @@
 """Host time on the hot path, without timing anything: the registry chooses a kernel once per (op, requested
-backend, device type), not per call, and report() still counts every execution."""
+backend, device), not per call, and report() still counts every execution."""
 
 import inspect
 
@@ -30,12 +30,12 @@ def test_kernel_is_chosen_once_per_op_backend_and_device(monkeypatch):
                 rms_norm(x, w, 1e-6)
         finally:
             registry.stop_counting(token)
-        assert chosen == [("rms_norm", "torch", "cpu")]
+        assert chosen == [("rms_norm", "torch", torch.device("cpu"))]
         assert counts == {"rms_norm": 5}  # what ran: every call counted
         registry.set_backend("npu")  # another requested backend: chosen anew, once
         assert registry.implementation("rms_norm", x.device) == "npu:npu_rms_norm"
         assert registry.implementation("rms_norm", x.device) == "npu:npu_rms_norm"
-        assert chosen[1:] == [("rms_norm", "npu", "cpu")]
+        assert chosen[1:] == [("rms_norm", "npu", torch.device("cpu"))]
     finally:
         registry.set_backend(None)
 
