@@ -17,23 +17,24 @@ PROCESS = "process config"  # a run under the process config (what `import minds
 
 def alternating_steps(build: Callable, batches: list[dict], configs: dict, rounds: int, steps: int
                       ) -> tuple[dict, dict, dict]:
-    """Runs named by `configs` ({name: None for plain HF, PROCESS, or a MindSpeedConfig}) on copies of `build()`,
-    alternating round by round (in `configs`' order, then reversed: no run always follows the same one), `steps`
-    steps each (the batches in turn). Returns ({name: [(forward, backward, step)
-    seconds, median over the steps after 3, one tuple per round]}, {name: the first round's losses}, {name: what
-    report() said ran in its first round})."""
+    """Runs named by `configs` ({name: None for plain HF, PROCESS, or a MindSpeedConfig}), alternating round by
+    round (in `configs`' order, then reversed: no run always follows the same one), `steps` steps each (the batches
+    in turn), each round on fresh copies of `build()` (a copy kept for every round would keep its place in memory,
+    which alone made one of two identical runs 2-4% slower than the other in every round). Returns ({name:
+    [(forward, backward, step) seconds, median over the steps after 3, one tuple per round]}, {name: the first
+    round's losses}, {name: what report() said ran in its first round})."""
     import torch
 
     import mindspeed_hf
 
-    runs = {}
-    for name in configs:
-        model = build().train()
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     phases: dict[str, list[tuple[float, float, float]]] = {name: [] for name in configs}
     losses: dict[str, list[float]] = {}
     ran: dict[str, dict[str, int]] = {}
     for round_ in range(rounds):
+        runs = {}
+        for name in configs:
+            model = build().train()
+            runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         for name in (list(configs) if round_ % 2 == 0 else list(reversed(configs))):
             config = configs[name]
             model, optimizer = runs[name]
