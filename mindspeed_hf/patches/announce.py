@@ -20,7 +20,7 @@ def announce(model: nn.Module, result: dict[str, Any]) -> None:
     if result.get("audio_kernels", {}).get("attention"):
         line += f"; audio tower: attention x{result['audio_kernels']['attention']}"
     if result.get("hf_path"):
-        line += f"; HF's code where it is faster here: {', '.join(result['hf_path'])}"
+        line += f"; HF's code where ours gains nothing here: {', '.join(result['hf_path'])}"
     if getattr(model, "_mindspeed_announced", None) != line:
         model._mindspeed_announced = line
         logger.info(line)

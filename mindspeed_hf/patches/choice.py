@@ -1,12 +1,12 @@
-"""On the torch backend, HF's own code wherever it is the faster path (kernels.torch_path: auto).
+"""On the torch backend, HF's own code wherever ours gains nothing (kernels.torch_path: auto).
 
 The torch backend (backend: auto in a process without an NPU or a GPU, or backend: torch anywhere) runs our ops as
 pure torch: HF's math, through one more layer of Python per call. Measured on CPU, one thread, in whole training
-steps against plain HF (benchmarks/results/torch_path_cpu.md, docs/host_time.md), ours costs more host time for
-RMSNorm, SwiGLU and the loss of a small vocabulary; it gains for rotary embeddings and for the chunked loss of a
-large vocabulary (faster, and a fraction of the memory). Attention stays ours whatever it costs: it keeps packed
-documents apart where HF's sdpa does not (a forward with a cache, documents told only by cu_seq_lens) and shares
-key/value heads on a padded batch where HF repeats them.
+steps against plain HF (benchmarks/results/torch_path_cpu.md, docs/host_time.md), ours gains nothing for RMSNorm,
+SwiGLU and the loss of a small vocabulary (the same ATen work, our call around it); it gains for rotary embeddings
+and for the chunked loss of a large vocabulary (faster, and a fraction of the memory). Attention stays ours whatever
+it costs: it keeps packed documents apart where HF's sdpa does not (a forward with a cache, documents told only by
+cu_seq_lens) and shares key/value heads on a padded batch where HF repeats them.
 
 So under `auto` a single-process model (no tensor, context or expert parallelism, whose steps build on our kernels)
 on the torch backend runs HF's code for the first group (the loss only where its own settings, skip_logits: always
@@ -32,15 +32,15 @@ SMALL_VOCAB = 4096
 
 #: op -> why HF's code runs it on the torch backend under kernels.torch_path: auto
 REASONS = {
-    "rms_norm": "HF's RMSNorm: on the torch backend ours is the same math with one more call (slower)",
-    "swiglu": "HF's MLP: on the torch backend ours is the same math with one more call (slower)",
+    "rms_norm": "HF's RMSNorm: on the torch backend ours is the same math with one more call (no gain)",
+    "swiglu": "HF's MLP: on the torch backend ours is the same math with one more call (no gain)",
     "fused_linear_cross_entropy": f"HF's loss: a vocabulary of at most {SMALL_VOCAB} keeps the logits small, and the "
-                                  "chunked loss's fixed cost is not repaid on the torch backend (slower)",
+                                  "chunked loss's fixed cost is not repaid on the torch backend (no gain)",
 }
 
 
 def candidates(model_config: Any) -> frozenset[str]:
-    """The ops for which HF's code is the faster path on the torch backend, for a model of `model_config` (its text
+    """The ops for which ours gains nothing over HF's code on the torch backend, for a model of `model_config` (its text
     model's vocabulary decides the loss)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     ops = {"rms_norm", "swiglu"}

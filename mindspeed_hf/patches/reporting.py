@@ -126,7 +126,7 @@ def report(model: nn.Module) -> dict[str, Any]:
             "skip_logits": None if config is None or not counts["fused_linear_cross_entropy"] else
             config.kernels.skip_logits,
             "kept": kept,
-            # ops whose kernel the config asks for but HF's own code runs, being faster here (patches/choice.py)
+            # ops whose kernel the config asks for but HF's own code runs, ours gaining nothing here (patches/choice.py)
             "hf_path": choice.hf_path(config, running) if family is not None and config is not None else {},
             # what really ran on this model since it was built (or accelerated): executions per op
             "ran": {**dict.fromkeys((*OPS, *REPORTED_AS, "vision_attention"), 0), **ran}

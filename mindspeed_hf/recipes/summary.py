@@ -35,7 +35,7 @@ def applied(report: dict[str, Any]) -> str:
     parts += [f"audio tower: {audio}"] if audio else []
     parts += [f"kept: {kept}"] if kept else []
     hf_path = ", ".join(report.get("hf_path") or {})
-    parts += [f"HF's code where it is faster on this backend: {hf_path}"] if hf_path else []
+    parts += [f"HF's code where ours gains nothing on this backend: {hf_path}"] if hf_path else []
     fell_back = _listed(report.get("fallbacks") or {})
     parts += [f"fell back to the torch path: {fell_back}"] if fell_back else []
     return "; ".join(p for p in parts if p) or "nothing"
