@@ -20,7 +20,7 @@ def alternating_steps(build: Callable, batches: list[dict], configs: dict, round
     """Runs named by `configs` ({name: None for plain HF, PROCESS, or a MindSpeedConfig}), alternating round by
     round (in `configs`' order, then reversed: no run always follows the same one), `steps` steps each (the batches
     in turn), each round on fresh copies of `build()` (a copy kept for every round would keep its place in memory,
-    which alone made one of two identical runs 2-4% slower than the other in every round). Returns ({name:
+    which alone made one of two identical runs up to 4% slower than the other over 12 rounds). Returns ({name:
     [(forward, backward, step) seconds, median over the steps after 3, one tuple per round]}, {name: the first
     round's losses}, {name: what report() said ran in its first round})."""
     import torch
