@@ -103,7 +103,7 @@ def bench_parser() -> CommandParser:
             "The same short run (CONFIG.yaml, or the embedded default run) without and with the accelerator,\n"
             "in separate processes, R interleaved pairs: median ratios and their spread (step time, host time,\n"
             "tokens/s, peak memory), then one counted step of each (aten ops, torch_npu calls, saved bytes,\n"
-            "largest tensor). On a CPU the torch backend runs HF's own code where ours is slower there\n"
+            "largest tensor). On a CPU the torch backend runs HF's own code where ours gains nothing\n"
             "(report()['hf_path']): expect no speed-up but the large-vocabulary loss."))
     parser.add_argument("--steps", type=int, default=20, help="training steps per side (default 20)")
     parser.add_argument("--repeats", type=int, default=3,

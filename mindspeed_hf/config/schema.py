@@ -91,7 +91,7 @@ class KernelConfig:
                                       "apart in the linear layers as in the attention ones")
     torch_path: str = _declare("auto", choice(TORCH_PATHS), "on the torch backend (a process without an NPU or "
                                "GPU, or backend: torch): auto runs HF's own code for each op where ours measured "
-                               "slower there (RMSNorm, SwiGLU, the loss of a vocabulary up to 4096 unless "
+                               "no faster there (RMSNorm, SwiGLU, the loss of a vocabulary up to 4096 unless "
                                "skip_logits: always or loss_chunk_size asks for it) in a model without tp / cp / "
                                "ep; report()['hf_path'] names them. fused runs ours everywhere (the reference the "
                                "device kernels are checked against). Device backends are not affected")
