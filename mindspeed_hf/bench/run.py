@@ -121,10 +121,10 @@ def compare(bases: list[dict[str, Any]], fasts: list[dict[str, Any]]) -> str:
 
 
 CPU_NOTE = ("On a CPU the accelerated side runs the torch backend: HF's own code for the ops where ours gains "
-            "nothing there (report()['hf_path']), ours where it pays (rotary embeddings, attention with shared key/value "
-            "heads, the chunked loss of a large vocabulary); kernels.torch_path: fused runs ours everywhere, the "
-            "correctness reference. No speed-up is expected beyond those; the host time per step is what the "
-            "accelerator's own Python costs, which on an NPU or a GPU sits between kernel launches.")
+            "nothing there (report()['hf_path']), ours where it pays (rotary embeddings, attention with shared "
+            "key/value heads, the chunked loss of a large vocabulary); kernels.torch_path: fused runs ours "
+            "everywhere, the correctness reference. No speed-up is expected beyond those; the host time per step is "
+            "what the accelerator's own Python costs, which on an NPU or a GPU sits between kernel launches.")
 
 
 #: per-step proxy -> (counts key, scale, format); see bench_counts
