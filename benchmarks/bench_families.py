@@ -11,7 +11,7 @@ step (wall, after the first 5), and the losses (plain and accelerated must agree
 disabled and enabled between rounds, benchmarks/ab_steps.py): without the +-10% spread between processes; a
 second plain run beside them shows what two identical runs differ by.
 
-    taskset -c 1 python benchmarks/bench_families.py --in-process --rounds 8 --steps 30 \
+    taskset -c 1 python benchmarks/bench_families.py --in-process --rounds 12 --steps 30 \
         --out benchmarks/results/families_inprocess_cpu.md
 """
 
@@ -129,10 +129,11 @@ def in_process(families: list[str], args: argparse.Namespace) -> str:
     torch.set_num_threads(1)
     lines = [f"`taskset -c N python benchmarks/bench_families.py {' '.join(sys.argv[1:])}`", "",
              f"Tiny models of tests/tiny_models.py, batch {args.batch} x {args.seq} tokens, fp32, backend torch, one "
-             f"process: plain HF, mindspeed_hf and plain HF again (three copies of each model from one seed) "
-             f"alternating over {args.rounds} rounds of {args.steps} steps (median of steps 4..; the order reversed "
-             f"every other round), one thread, affinity {sorted(os.sched_getaffinity(0))}. The last ratio column, "
-             f"plain HF against itself, is what two identical runs differ by: the table's resolution.", "",
+             f"process: plain HF, mindspeed_hf and plain HF again (three copies of each model from one seed, fresh "
+             f"every round) alternating over {args.rounds} rounds of {args.steps} steps (median of steps 4..; the "
+             f"order reversed every other round), one thread, affinity {sorted(os.sched_getaffinity(0))}. The last "
+             f"ratio column, plain HF against itself, is what two identical runs differ by: the table's resolution.",
+             "",
              "| family | plain HF step (ms) | mindspeed_hf step (ms) | ratio per round, median [min-max] | "
              "max loss diff | kernels that ran | plain HF again / plain HF |", "|---|---|---|---|---|---|---|"]
     for family in families:
