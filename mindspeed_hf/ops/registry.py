@@ -35,7 +35,7 @@ class Kernel:
 
 
 _KERNELS: dict[str, dict[str, Kernel]] = {}
-# (op, requested backend, device or device type) -> the kernel chosen for it; emptied when a kernel is registered.
+# (op, requested backend, device as given) -> the kernel chosen for it; emptied when a kernel is registered.
 _CHOSEN: dict[tuple[str, str, str | torch.device], Kernel] = {}
 _DEVICE_BACKENDS: dict[str | torch.device, str] = {}  # device as given -> its own backend (resolve_backend)
 _backend = {"requested": None}  # set by set_backend(); None = read MINDSPEED_HF_BACKEND on first use
@@ -129,12 +129,14 @@ def requested_backend() -> str:
 
 def resolve_backend(device: torch.device | str) -> str:
     """The backend that kernels on `device` use: the forced one, or the device's own under `auto`."""
-    requested = requested_backend()
-    return requested if requested != "auto" else _own_backend(device)
+    return _backend_for(requested_backend(), device)
 
 
-def _own_backend(device: torch.device | str) -> str:
-    """The backend of `device`'s type (npu, cuda; torch for any other), found once per device."""
+def _backend_for(requested: str, device: torch.device | str) -> str:
+    """`requested`, or under `auto` the backend of `device`'s type (npu, cuda; torch for any other), found once per
+    device."""
+    if requested != "auto":
+        return requested
     backend = _DEVICE_BACKENDS.get(device)
     if backend is None:
         backend = _DEVICE_BACKENDS[device] = _DEVICE_TO_BACKEND.get(torch.device(device).type, "torch")
@@ -143,8 +145,7 @@ def _own_backend(device: torch.device | str) -> str:
 
 def _choose(op: str, requested: str, device: torch.device | str) -> Kernel:
     kernels = _KERNELS[op]
-    backend = requested if requested != "auto" else _own_backend(device)
-    kernel = kernels.get(backend)
+    kernel = kernels.get(_backend_for(requested, device))
     if kernel is None or not kernel.available():
         kernel = kernels["torch"]
     return kernel
