@@ -2,14 +2,17 @@
 
 Partial rotary (cos narrower than the head, as in Phi-3) rotates the leading part and keeps the rest.
 
-The torch path computes rotate_half(x) as x.roll(half) * [-1 ... -1, 1 ... 1]: the same values exactly (a product
-with +-1 is exact), in two ops instead of two slices, a negation and a concatenation per tensor, and in backward a
-roll and a product instead of the slices' zero-filled gradients, the negation and the split; the rest is HF's
-x * cos + rotated * sin, so outputs and gradients are HF's bit for bit, with nothing more kept for the backward
-than HF keeps (the sign vector, [head_dim], is made once per head size, dtype and device).
+The torch path computes rotate_half(x) * sin as x.roll(half) * signed_sin, where signed_sin is sin with its first
+half negated: the same values exactly (negating a factor negates a product exactly), in two ops per tensor instead
+of two slices, a negation, a concatenation and a product, and in backward a product and a roll instead of the
+slices' zero-filled gradients, the negation and the split; the rest is HF's x * cos + rotated, so outputs and
+gradients are HF's bit for bit. signed_sin is made once per table (the layers of a forward share theirs) and is
+what the backward keeps in place of sin: nothing more than HF keeps.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -34,8 +37,8 @@ _signs: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _half_signs(x: torch.Tensor) -> torch.Tensor:
-    """[-1] * half + [1] * (dim - half) in x's dtype and device, made once (never an inference tensor: it is saved
-    for the backward of the product it takes part in)."""
+    """[-1] * half + [1] * (dim - half) in x's dtype and device, made once (never an inference tensor: a table that
+    requires grad saves it for the backward of its product)."""
     dim = x.shape[-1]
     key = (dim, x.dtype, x.device)
     signs = None if torch.compiler.is_compiling() else _signs.get(key)
@@ -48,12 +51,32 @@ def _half_signs(x: torch.Tensor) -> torch.Tensor:
     return signs
 
 
-def _rope_one_rolled(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """_rope_one_torch's result, bit for bit, with rotate_half as a roll and a sign product (module docstring); an
-    odd width (where the roll is not rotate_half) goes HF's way."""
-    if x.shape[-1] % 2:
-        return _rope_one_torch(x, cos, sin)
-    return (x * cos) + ((x.roll(x.shape[-1] // 2, -1) * _half_signs(x)) * sin)
+# The last table negated: (weak reference to sin, inference mode, sin's version, weak reference to signed_sin).
+_last_signed: list[tuple | None] = [None]
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated (x.roll(half) * this == rotate_half(x) * sin exactly), made once per table:
+    a forward hands every layer the same sin, and the backward keeps this one for all of them. Only weakly held
+    (a later forward makes its own); made again under another inference mode or after sin changed in place."""
+    if torch.compiler.is_compiling() or sin.requires_grad:
+        return sin * _half_signs(sin)
+    inference = torch.is_inference_mode_enabled()
+    version = None if sin.is_inference() else sin._version  # (an inference tensor keeps no version)
+    last = _last_signed[0]
+    if last is not None and last[0]() is sin and last[1] is inference and last[2] == version:
+        signed = last[3]()
+        if signed is not None:
+            return signed
+    signed = sin * _half_signs(sin)
+    _last_signed[0] = (weakref.ref(sin), inference, version, weakref.ref(signed))
+    return signed
+
+
+def _rope_one_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """_rope_one_torch's result, bit for bit, with rotate_half(x) * sin as x.roll(half) * signed_sin (module
+    docstring)."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * signed_sin)
 
 
 def _promoted(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -86,7 +109,9 @@ def _apply(rope_one, q, k, cos, sin, unsqueeze_dim):
 
 @register("rope", "torch", name="torch")
 def rope_torch(q, k, cos, sin, unsqueeze_dim=1):
-    return _apply(_rope_one_rolled, q, k, cos, sin, unsqueeze_dim)
+    if sin.shape[-1] % 2:  # an odd width, where the roll is not rotate_half: HF's way
+        return _apply(_rope_one_torch, q, k, cos, sin, unsqueeze_dim)
+    return _apply(_rope_one_rolled, q, k, cos, _signed_sin(sin), unsqueeze_dim)
 
 
 @register("rope", "npu", name="npu:npu_rotary_mul")

@@ -53,7 +53,7 @@ def enable(config: MindSpeedConfig | None = None) -> None:
     try:
         install_accelerator_wiring()
         if trainer_imported:
-            _wiring().install_trainer_wiring()
+            _wiring().install_trainer_wiring(checked=True)  # (problems() above read the Trainer's seams)
         else:  # a script without a Trainer never imports it (nor PEFT, bitsandbytes, datasets through it)
             third_party.when_imported(ARGUMENTS_MODULE, _wire_imported_arguments)
             third_party.when_imported(TRAINER_MODULE, _wire_imported_trainer)
@@ -91,7 +91,7 @@ def _wire_imported_trainer(module: ModuleType) -> None:
                        problem)
         disable()
         return
-    _wiring().install_trainer_wiring()
+    _wiring().install_trainer_wiring(checked=True)
 
 
 def disable() -> None:

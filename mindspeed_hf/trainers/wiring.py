@@ -185,15 +185,16 @@ def _wrappers() -> dict[str, Callable[[Callable], Callable]]:
     return wrappers
 
 
-def install_trainer_wiring() -> None:
+def install_trainer_wiring(checked: bool = False) -> None:
     """Wrap transformers.Trainer's __init__, call_model_init, train and the FSDP2 methods on the class, and
     TrainingArguments.__post_init__ (DeepSpeed). Idempotent. Fails (RuntimeError naming the transformers release)
-    when a method we depend on is gone."""
+    when a method we depend on is gone; `checked`: the caller has just found none gone (seams.problems())."""
     if len(_patches):
         return
     from transformers import Trainer, TrainingArguments
 
-    seams.check()
+    if not checked:
+        seams.check()
     for name, wrap in _wrappers().items():
         if name not in vars(Trainer):  # a seam newer than this release (seams.check() vouched for the rest)
             continue
