@@ -13,6 +13,7 @@ what the backward keeps in place of sin: nothing more than HF keeps.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -51,26 +52,39 @@ def _half_signs(x: torch.Tensor) -> torch.Tensor:
     return signs
 
 
-# The last table negated: (weak reference to sin, inference mode, sin's version, weak reference to signed_sin).
-_last_signed: list[tuple | None] = [None]
+class _PerTables:
+    """What a rope derives from its cos / sin tables, made once per pair of tables: a forward hands every layer the
+    same tables, so the first layer makes it and the rest (and the backward, for all of them) share it. Held weakly
+    (nothing outlives the graphs that keep it); made again for other tables, under another inference mode or after a
+    table changed in place, and every time while torch.compile traces or where a table requires grad."""
+
+    def __init__(self) -> None:
+        self._last: tuple | None = None
+
+    def __call__(self, tables: tuple[torch.Tensor, ...], make: Callable[[], tuple[torch.Tensor, ...]]
+                 ) -> tuple[torch.Tensor, ...]:
+        if torch.compiler.is_compiling() or any(t.requires_grad for t in tables):
+            return make()
+        inference = torch.is_inference_mode_enabled()
+        versions = tuple(None if t.is_inference() else t._version for t in tables)  # (inference tensors keep none)
+        last = self._last
+        if last is not None and last[1] is inference and last[2] == versions \
+                and all(ref() is t for ref, t in zip(last[0], tables)):
+            made = tuple(ref() for ref in last[3])
+            if all(t is not None for t in made):
+                return made
+        made = make()
+        self._last = (tuple(map(weakref.ref, tables)), inference, versions, tuple(map(weakref.ref, made)))
+        return made
+
+
+_signed = _PerTables()
+_doubled = _PerTables()
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin with its first half negated (x.roll(half) * this == rotate_half(x) * sin exactly), made once per table:
-    a forward hands every layer the same sin, and the backward keeps this one for all of them. Only weakly held
-    (a later forward makes its own); made again under another inference mode or after sin changed in place."""
-    if torch.compiler.is_compiling() or sin.requires_grad:
-        return sin * _half_signs(sin)
-    inference = torch.is_inference_mode_enabled()
-    version = None if sin.is_inference() else sin._version  # (an inference tensor keeps no version)
-    last = _last_signed[0]
-    if last is not None and last[0]() is sin and last[1] is inference and last[2] == version:
-        signed = last[3]()
-        if signed is not None:
-            return signed
-    signed = sin * _half_signs(sin)
-    _last_signed[0] = (weakref.ref(sin), inference, version, weakref.ref(signed))
-    return signed
+    """sin with its first half negated (x.roll(half) * this == rotate_half(x) * sin exactly), made once per table."""
+    return _signed((sin,), lambda: (sin * _half_signs(sin),))[0]
 
 
 def _rope_one_rolled(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -134,6 +148,37 @@ def apply_rotary_pos_emb(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for HF's `apply_rotary_pos_emb` (same signature), dispatched on q's device."""
     return run("rope", q.device)(q, k, cos, sin, unsqueeze_dim)
+
+
+def _first_half_doubled(cos: torch.Tensor, sin: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-width tables of the "half" layout from the first `width` angles of each: cat(t[..., :width] twice), made
+    once per forward."""
+    return _doubled((cos, sin), lambda: tuple(torch.cat((t[..., :width], t[..., :width]), -1) for t in (cos, sin)))
+
+
+def apply_rotary_pos_emb_half_width(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's rope: each half of q / k turned against the other by half-width tables (first * cos - second * sin,
+    second * cos + first * sin), which is the "half" rope on the tables doubled, bit for bit."""
+    cos, sin = _first_half_doubled(cos, sin, cos.shape[-1])
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+def _pairs_apart(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): interleaved pairs laid out as two halves."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+def apply_rotary_pos_emb_interleaved(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's interleaved rope (`apply_rotary_pos_emb_interleave`): each pair (x0, x1), (x2, x3), ... turned by
+    one angle of the tables' first half, the results laid out evens then odds. That is the "half" rope of q / k with
+    their pairs laid apart, on the first half doubled, bit for bit (HF's tables repeat their angles in the second
+    half: transformers 4.57 reads the whole table, 5.x the first half, and both give these numbers)."""
+    cos, sin = _first_half_doubled(cos, sin, cos.shape[-1] // 2)
+    return apply_rotary_pos_emb(_pairs_apart(q), _pairs_apart(k), cos, sin, unsqueeze_dim)
 
 
 def multimodal_rope_tables(cos: torch.Tensor, sin: torch.Tensor, mrope_section: list[int],

@@ -20,6 +20,8 @@ class ModelFamily:
     swiglu_mlp: tuple[str, ...] = ()  # gate_proj / up_proj / down_proj MLPs
     packed_swiglu_mlp: tuple[str, ...] = ()  # gate_up_proj / down_proj MLPs (Phi-3)
     rope: bool = True  # module-level apply_rotary_pos_emb
+    # The module's rope functions and their layouts (forwards.ROPE_LAYOUTS) where rope is on
+    rope_layouts: tuple[tuple[str, str], ...] = (("apply_rotary_pos_emb", "half"),)
     # XDecoderLayer: its residual add fused into the norm after it (add_rms_norm), where its forward is one of the
     # shapes in forwards.LAYER_SHAPES (checked on the installed release; any other forward is left as HF's).
     decoder_layer: str = ""
@@ -111,17 +113,19 @@ FAMILIES: dict[str, ModelFamily] = {
         _dense("qwen3_moe", "Qwen3Moe", experts=("Qwen3MoeExperts",)),
         _dense("mixtral", "Mixtral", swiglu_mlp=(), experts=("MixtralExperts",)),
         _dense("olmoe", "Olmoe", experts=("OlmoeExperts",)),
-        # DeepSeek-V3: MLA attention; its default rope_interleave=True runs apply_rotary_pos_emb_interleave, which
-        # the rope kernel does not cover, so rope stays HF's.
-        _dense("deepseek_v3", "DeepseekV3", rope=False, experts=("DeepseekV3Experts",)),
+        # DeepSeek-V3: MLA attention; its default rope_interleave=True runs apply_rotary_pos_emb_interleave (pairs
+        # turned, laid out evens then odds), rope_interleave=False the usual one.
+        _dense("deepseek_v3", "DeepseekV3", experts=("DeepseekV3Experts",),
+               rope_layouts=(("apply_rotary_pos_emb", "half"), ("apply_rotary_pos_emb_interleave", "interleaved"))),
         _dense("glm4_moe", "Glm4Moe", experts=("Glm4MoeExperts",)),
-        # ERNIE 4.5: its apply_rotary_pos_emb interleaves cos/sin (GLM style, in fp32): not the rope kernel's layout.
+        # ERNIE 4.5: its apply_rotary_pos_emb turns interleaved pairs in place (GLM style) in fp32, and casts back or
+        # not as the release has it (4.57: both to q's dtype; 5.x: q left in fp32, k not cast): rope stays HF's.
         _dense("ernie4_5_moe", "Ernie4_5_Moe", rope=False, experts=("Ernie4_5_MoeExperts",)),
-        # GPT-OSS: only its experts ([E, H, 2I] weights with biases, its own clamped gate) and the loss. Its RMSNorm
-        # multiplies the weight in fp32 before the cast, its rope tables are half width, and its attention has sinks
-        # (no sdpa): none is the layout of our kernels.
-        _dense("gpt_oss", "GptOss", rms_norm=(), swiglu_mlp=(), rope=False, experts=("GptOssExperts",),
-               decoder_layer=""),
+        # GPT-OSS: its experts ([E, H, 2I] weights with biases, its own clamped gate), its rope (half-width tables)
+        # and the loss. Its RMSNorm multiplies the weight in fp32 before the cast, and its attention has sinks (no
+        # sdpa): not the layout of our kernels.
+        _dense("gpt_oss", "GptOss", rms_norm=(), swiglu_mlp=(), experts=("GptOssExperts",), decoder_layer="",
+               rope_layouts=(("apply_rotary_pos_emb", "half_width"),)),
         # Gemma: offset RMSNorm; its GeGLU MLP is left alone. Gemma2/3 ("sandwich" layers): the add after the
         # post-attention norm is fused into pre_feedforward_layernorm (offset form, exact in fp32); the add after
         # post_feedforward_layernorm feeds the next layer and stays a plain add.

@@ -26,7 +26,7 @@ from transformers.activations import SiLUActivation
 from ..ops.linear import project, stackable
 from ..ops.registry import has_own_kernel
 from ..ops.rms_norm import add_rms_norm, add_rms_norm_fuses, rms_norm
-from ..ops.rotary import apply_rotary_pos_emb
+from ..ops.rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_half_width, apply_rotary_pos_emb_interleaved
 from ..ops.swiglu import swiglu, swiglu_packed
 from ..releases import compat
 from ..releases.seams import source_of
@@ -109,15 +109,27 @@ def _serve(layer: nn.Linear, x: torch.Tensor, out: torch.Tensor, given: torch.Te
     return out if given is x else nn.functional.linear(given, layer.weight, layer.bias)
 
 
-def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any,
-                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The modeling modules' `apply_rotary_pos_emb`, with every signature they have (see compat.rope_unsqueeze_dim)."""
-    return apply_rotary_pos_emb(q, k, cos, sin, compat.rope_unsqueeze_dim(args, kwargs))
+def _rope_forward(apply: Callable) -> Callable:
+    """A modeling module's rope function in one of ROPE_LAYOUTS, with every signature the releases give it
+    (see compat.rope_unsqueeze_dim)."""
+
+    def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any,
+                     **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply(q, k, cos, sin, compat.rope_unsqueeze_dim(args, kwargs))
+
+    return tag("rope", rope_forward)
+
+
+#: layout -> the replacement of a modeling module's rope function in that layout (ModelFamily.rope_layouts):
+#: "half" HF's usual rotate_half rope, "half_width" GPT-OSS's (half-width tables), "interleaved" DeepSeek-V3's
+#: apply_rotary_pos_emb_interleave (pairs turned, laid out evens then odds)
+ROPE_LAYOUTS = {"half": _rope_forward(apply_rotary_pos_emb),
+                "half_width": _rope_forward(apply_rotary_pos_emb_half_width),
+                "interleaved": _rope_forward(apply_rotary_pos_emb_interleaved)}
 
 
 tag("rms_norm", rms_norm_forward)
 tag("rms_norm", offset_rms_norm_forward)
-rope_function = tag("rope", rope_forward)
 
 
 # HF decoder-layer bodies (from `residual = hidden_states`, comments and blank lines left out, the self_attn call

@@ -26,7 +26,7 @@ def test_rope_forward_takes_every_signature_of_the_release():
         ((2,), {}, bsnd, 2),
         ((), {"unsqueeze_dim": 2, "position_ids": position_ids}, bsnd, 2),
     ]:
-        ours = forwards.rope_function(qq, kk, cos, sin, *args, **kwargs)
+        ours = forwards.ROPE_LAYOUTS["half"](qq, kk, cos, sin, *args, **kwargs)
         theirs = modeling_llama.apply_rotary_pos_emb(qq, kk, cos, sin, unsqueeze_dim=dim)
         for a, b in zip(ours, theirs, strict=True):
             torch.testing.assert_close(a, b, atol=0, rtol=0)

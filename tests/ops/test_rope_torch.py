@@ -101,4 +101,33 @@ def test_layers_of_a_forward_share_one_signed_table():
     assert _saved_bytes(forward, apply_rotary_pos_emb) <= _saved_bytes(forward, modeling_llama.apply_rotary_pos_emb)
     with torch.no_grad():
         apply_rotary_pos_emb(*layers[0], cos, sin)
-    assert rotary._last_signed[0][3]() is None  # a weak reference: no graph keeps it, so nothing holds it
+    assert rotary._signed._last[3][0]() is None  # a weak reference: no graph keeps it, so nothing holds it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["half_width", "interleaved"])
+def test_other_layouts_are_bitwise_hf(layout, dtype):
+    """GPT-OSS's half-width rope and DeepSeek-V3's interleaved one, through the "half" kernel: HF's bits forward and
+    backward, on HF's own tables (each made by the family's rotary embedding's rule: half width / angles repeated)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    ours = {"half_width": rotary.apply_rotary_pos_emb_half_width,
+            "interleaved": rotary.apply_rotary_pos_emb_interleaved}[layout]
+    hf = {"half_width": modeling_gpt_oss.apply_rotary_pos_emb,
+          "interleaved": modeling_deepseek_v3.apply_rotary_pos_emb_interleave}[layout]
+    gen = torch.Generator().manual_seed(4)
+    q = (torch.randn(2, 4, 9, 16, generator=gen) * 3).to(dtype).requires_grad_()
+    k = (torch.randn(2, 1, 9, 16, generator=gen) * 3).to(dtype).requires_grad_()
+    cos, sin = _tables(2, 9, 16, dtype, gen)
+    if layout == "half_width":
+        cos, sin = cos[..., :8].contiguous(), sin[..., :8].contiguous()
+    outs = []
+    for rope in (hf, ours):
+        q_out, k_out = rope(q, k, cos, sin)
+        upstream = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)).to(t.dtype)
+                    for i, t in enumerate((q_out, k_out))]
+        outs.append((q_out, k_out, *torch.autograd.grad((q_out, k_out), (q, k), upstream)))
+    for theirs, ours_ in zip(*outs, strict=True):
+        assert ours_.dtype == theirs.dtype
+        assert torch.equal(ours_, theirs)
