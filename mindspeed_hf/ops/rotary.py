@@ -61,12 +61,14 @@ class _PerTables:
     def __init__(self) -> None:
         self._last: tuple | None = None
 
-    def __call__(self, tables: tuple[torch.Tensor, ...], make: Callable[[], tuple[torch.Tensor, ...]]
-                 ) -> tuple[torch.Tensor, ...]:
+    def __call__(self, tables: tuple[torch.Tensor, ...], make: Callable[[], tuple[torch.Tensor, ...]],
+                 how: object = None) -> tuple[torch.Tensor, ...]:
+        """make(), or what it made for these `tables` (and `how`, what else it depends on) last time."""
         if torch.compiler.is_compiling() or any(t.requires_grad for t in tables):
             return make()
         inference = torch.is_inference_mode_enabled()
-        versions = tuple(None if t.is_inference() else t._version for t in tables)  # (inference tensors keep none)
+        # (an inference tensor keeps no version)
+        versions = (how, *(None if t.is_inference() else t._version for t in tables))
         last = self._last
         if last is not None and last[1] is inference and last[2] == versions \
                 and all(ref() is t for ref, t in zip(last[0], tables)):
@@ -153,7 +155,8 @@ def apply_rotary_pos_emb(
 def _first_half_doubled(cos: torch.Tensor, sin: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-width tables of the "half" layout from the first `width` angles of each: cat(t[..., :width] twice), made
     once per forward."""
-    return _doubled((cos, sin), lambda: tuple(torch.cat((t[..., :width], t[..., :width]), -1) for t in (cos, sin)))
+    return _doubled((cos, sin), lambda: tuple(torch.cat((t[..., :width], t[..., :width]), -1) for t in (cos, sin)),
+                    width)
 
 
 def apply_rotary_pos_emb_half_width(
