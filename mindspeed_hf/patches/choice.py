@@ -3,8 +3,9 @@
 The torch backend (backend: auto in a process without an NPU or a GPU, or backend: torch anywhere) runs our ops as
 pure torch: HF's math, through one more layer of Python per call. Measured on CPU, one thread, in whole training
 steps against plain HF (benchmarks/results/torch_path_cpu.md, docs/host_time.md), ours gains nothing for RMSNorm,
-SwiGLU and the loss of a small vocabulary (the same ATen work, our call around it); it gains for rotary embeddings
-and for the chunked loss of a large vocabulary (faster, and a fraction of the memory). Attention stays ours whatever
+SwiGLU and the loss of a small vocabulary (the same ATen work, our call around it), and it is slower for the
+interleaved rope (DeepSeek-V3's: ours lays the pairs apart first); it gains for the usual rotary embeddings and for
+the chunked loss of a large vocabulary (faster, and a fraction of the memory). Attention stays ours whatever
 it costs: it keeps packed documents apart where HF's sdpa does not (a forward with a cache, documents told only by
 cu_seq_lens) and shares key/value heads on a padded batch where HF repeats them.
 
@@ -36,14 +37,18 @@ REASONS = {
     "swiglu": "HF's MLP: on the torch backend ours is the same math with one more call (no gain)",
     "fused_linear_cross_entropy": f"HF's loss: a vocabulary of at most {SMALL_VOCAB} keeps the logits small, and the "
                                   "chunked loss's fixed cost is not repaid on the torch backend (no gain)",
+    "rope": "HF's interleaved rope (config.rope_interleave): ours lays the pairs apart first, a copy that HF's turn "
+            "in place does without (slower on the torch backend)",
 }
 
 
 def candidates(model_config: Any) -> frozenset[str]:
-    """The ops for which ours gains nothing over HF's code on the torch backend, for a model of `model_config` (its text
-    model's vocabulary decides the loss)."""
+    """The ops for which ours gains nothing over HF's code (or is slower) on the torch backend, for a model of
+    `model_config` (its text model's vocabulary decides the loss, its rope_interleave the rope)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     ops = {"rms_norm", "swiglu"}
+    if getattr(text, "rope_interleave", False):  # DeepSeek-V3's apply_rotary_pos_emb_interleave
+        ops.add("rope")
     vocab = getattr(text, "vocab_size", None)
     if isinstance(vocab, int) and vocab <= SMALL_VOCAB:
         ops.add("fused_linear_cross_entropy")

@@ -99,3 +99,21 @@ def test_a_switched_off_kernel_is_not_listed_as_handed_to_hf():
     mindspeed_hf.enable(config_from_dict({"kernels": {"rms_norm": False}}))
     report = mindspeed_hf.apply_to_model(tiny_model("qwen3"))
     assert set(report["hf_path"]) == {"swiglu", "fused_linear_cross_entropy"}
+
+
+def test_interleaved_rope_is_hf_on_the_torch_backend_and_ours_when_fused():
+    """DeepSeek-V3's interleaved rope: ours lays the pairs apart first, slower than HF's turn in place on the torch
+    backend, so `auto` runs HF's there (named in hf_path); `fused` runs ours, HF's bits."""
+    model = tiny_model("deepseek_v3")
+    assert model.config.rope_interleave
+    batch = padded_batch()
+    expected = loss_and_grads(model, batch)
+    for torch_path, ours in (("auto", False), ("fused", True)):
+        mindspeed_hf.enable(config_from_dict({"kernels": {"torch_path": torch_path}}))
+        report = mindspeed_hf.apply_to_model(model)
+        assert ("rope" in report["hf_path"]) is not ours
+        loss, grads = loss_and_grads(model, batch)
+        torch.testing.assert_close(loss, expected[0], atol=0, rtol=0)
+        assert_close_grads(expected[1], grads, atol=0, rtol=0)
+        assert mindspeed_hf.report(model)["ran"]["rope"] == (model.config.num_hidden_layers if ours else 0)
+        mindspeed_hf.disable()
