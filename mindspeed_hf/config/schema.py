@@ -92,9 +92,9 @@ class KernelConfig:
     torch_path: str = _declare("auto", choice(TORCH_PATHS), "on the torch backend (a process without an NPU or "
                                "GPU, or backend: torch): auto runs HF's own code for each op where ours measured "
                                "no faster there (RMSNorm, SwiGLU, the loss of a vocabulary up to 4096 unless "
-                               "skip_logits: always or loss_chunk_size asks for it) in a model without tp / cp / "
-                               "ep; report()['hf_path'] names them. fused runs ours everywhere (the reference the "
-                               "device kernels are checked against). Device backends are not affected")
+                               "skip_logits: always or loss_chunk_size asks for it, an interleaved rope) in a model "
+                               "without tp / cp / ep; report()['hf_path'] names them. fused runs ours everywhere (the "
+                               "reference the device kernels are checked against). Device backends are not affected")
     loss_chunk_size: int = _declare(0, integer(0, " (0 = automatic)"), "tokens per chunk of the fused loss; 0 picks "
                                                                        "one from the vocabulary size")
     skip_logits: str = _declare("auto", choice(("auto", "always", "never")), "when a forward with labels builds the "
