@@ -6,8 +6,8 @@ The torch path computes rotate_half(x) * sin as x.roll(half) * signed_sin, where
 half negated: the same values exactly (negating a factor negates a product exactly), in two ops per tensor instead
 of two slices, a negation, a concatenation and a product, and in backward a product and a roll instead of the
 slices' zero-filled gradients, the negation and the split; the rest is HF's x * cos + rotated, so outputs and
-gradients are HF's bit for bit. signed_sin is made once per table (the layers of a forward share theirs) and is
-what the backward keeps in place of sin: nothing more than HF keeps.
+gradients are HF's bit for bit. signed_sin is made once per table (the layers of a forward share theirs, kept
+while the table lives) and is what the backward keeps in place of sin: nothing more than HF keeps.
 """
 
 from __future__ import annotations
@@ -53,13 +53,14 @@ def _half_signs(x: torch.Tensor) -> torch.Tensor:
 
 
 class _PerTables:
-    """What a rope derives from its cos / sin tables, made once per pair of tables: a forward hands every layer the
-    same tables, so the first layer makes it and the rest (and the backward, for all of them) share it. Held weakly
-    (nothing outlives the graphs that keep it); made again for other tables, under another inference mode or after a
-    table changed in place, and every time while torch.compile traces or where a table requires grad."""
+    """What a rope derives from its cos / sin tables, made once per set of tables: a forward hands every layer the
+    same tables, so the first layer makes it and the rest (and the backward, for all of them) share it. Kept while
+    the tables it came from live (a forward's; dropped with them, so nothing outlives them); made again for other
+    tables, under another inference mode or after a table changed in place, and every time while torch.compile
+    traces or where a table requires grad."""
 
     def __init__(self) -> None:
-        self._last: tuple | None = None
+        self._last: tuple | None = None  # (weak references to the tables, inference mode, versions, what was made)
 
     def __call__(self, tables: tuple[torch.Tensor, ...], make: Callable[[], tuple[torch.Tensor, ...]],
                  how: object = None) -> tuple[torch.Tensor, ...]:
@@ -72,12 +73,16 @@ class _PerTables:
         last = self._last
         if last is not None and last[1] is inference and last[2] == versions \
                 and all(ref() is t for ref, t in zip(last[0], tables)):
-            made = tuple(ref() for ref in last[3])
-            if all(t is not None for t in made):
-                return made
+            return last[3]
         made = make()
-        self._last = (tuple(map(weakref.ref, tables)), inference, versions, tuple(map(weakref.ref, made)))
+        self._last = (tuple(weakref.ref(t, self._forget) for t in tables), inference, versions, made)
         return made
+
+    def _forget(self, table: weakref.ref) -> None:
+        """A table died: drop what was made from it (if it is still the one kept)."""
+        last = self._last
+        if last is not None and table in last[0]:
+            self._last = None
 
 
 _signed = _PerTables()

@@ -89,19 +89,22 @@ def test_sign_vector_made_once_and_usable_with_grad_after_inference(monkeypatch)
 
 def test_layers_of_a_forward_share_one_signed_table():
     """The layers of a forward get the same sin: one negated table serves them all, so a whole forward keeps no
-    more for the backward than HF (which keeps sin itself), and nothing is held once the graph is gone."""
+    more for the backward than HF (which keeps sin itself), and nothing is held once the tables are gone."""
     gen = torch.Generator().manual_seed(3)
-    cos, sin = _tables(2, 16, 8, torch.float32, gen)
+    tables = _tables(2, 16, 8, torch.float32, gen)
     layers = [tuple(torch.randn(2, heads, 16, 8, generator=gen, requires_grad=True) for heads in (4, 2))
               for _ in range(3)]
 
-    def forward(rope):
+    def forward(rope, cos, sin):
         return [rope(q, k, cos, sin) for q, k in layers]
 
-    assert _saved_bytes(forward, apply_rotary_pos_emb) <= _saved_bytes(forward, modeling_llama.apply_rotary_pos_emb)
+    assert _saved_bytes(forward, apply_rotary_pos_emb, *tables) <= _saved_bytes(
+        forward, modeling_llama.apply_rotary_pos_emb, *tables)
     with torch.no_grad():
-        apply_rotary_pos_emb(*layers[0], cos, sin)
-    assert rotary._signed._last[3][0]() is None  # a weak reference: no graph keeps it, so nothing holds it
+        apply_rotary_pos_emb(*layers[0], *tables)
+        assert rotary._signed._last is not None  # kept while its table lives (the next layer's call reuses it)
+    del tables
+    assert rotary._signed._last is None  # dropped with the table it came from
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
