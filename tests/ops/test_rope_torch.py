@@ -38,15 +38,20 @@ def test_rope_is_bitwise_hf(dtype, table_dtype, rotary_frac, unsqueeze_dim):
     k = (torch.randn(k_shape, generator=gen) * 3).to(dtype).requires_grad_()
     cos, sin = _tables(batch, seq, int(dim * rotary_frac), table_dtype, gen)
     hf = modeling_llama.apply_rotary_pos_emb if rotary_frac == 1.0 else modeling_phi3.apply_rotary_pos_emb
+    _assert_bitwise(hf, apply_rotary_pos_emb, q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+def _assert_bitwise(hf, ours, q, k, cos, sin, **kwargs) -> None:
+    """`ours(q, k, cos, sin)` gives `hf`'s outputs and gradients (for one upstream gradient) bit for bit."""
     outs = []
-    for rope in (hf, apply_rotary_pos_emb):
-        q_out, k_out = rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    for rope in (hf, ours):
+        q_out, k_out = rope(q, k, cos, sin, **kwargs)
         upstream = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)).to(t.dtype)
                     for i, t in enumerate((q_out, k_out))]
         outs.append((q_out, k_out, *torch.autograd.grad((q_out, k_out), (q, k), upstream)))
-    for theirs, ours in zip(*outs, strict=True):
-        assert ours.dtype == theirs.dtype
-        assert torch.equal(ours, theirs)
+    for theirs, ours_ in zip(*outs, strict=True):
+        assert ours_.dtype == theirs.dtype
+        assert torch.equal(ours_, theirs)
 
 
 def _saved_bytes(fn, *args) -> int:
@@ -125,12 +130,4 @@ def test_other_layouts_are_bitwise_hf(layout, dtype):
     cos, sin = _tables(2, 9, 16, dtype, gen)
     if layout == "half_width":
         cos, sin = cos[..., :8].contiguous(), sin[..., :8].contiguous()
-    outs = []
-    for rope in (hf, ours):
-        q_out, k_out = rope(q, k, cos, sin)
-        upstream = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)).to(t.dtype)
-                    for i, t in enumerate((q_out, k_out))]
-        outs.append((q_out, k_out, *torch.autograd.grad((q_out, k_out), (q, k), upstream)))
-    for theirs, ours_ in zip(*outs, strict=True):
-        assert ours_.dtype == theirs.dtype
-        assert torch.equal(ours_, theirs)
+    _assert_bitwise(hf, ours, q, k, cos, sin)
