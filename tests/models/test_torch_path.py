@@ -116,4 +116,6 @@ def test_interleaved_rope_is_hf_on_the_torch_backend_and_ours_when_fused():
         torch.testing.assert_close(loss, expected[0], atol=0, rtol=0)
         assert_close_grads(expected[1], grads, atol=0, rtol=0)
         assert mindspeed_hf.report(model)["ran"]["rope"] == (model.config.num_hidden_layers if ours else 0)
+        assert report["kernels"]["rope"] == (model.config.num_hidden_layers if ours else 0)
+        assert watch.idle_kernels(model, {})[0] == []  # HF's rope is not said to be ours and idle
         mindspeed_hf.disable()
