@@ -19,8 +19,8 @@ class ModelFamily:
     offset_rms_norm: bool = False  # Gemma: x * (1 + w), multiplied in fp32
     swiglu_mlp: tuple[str, ...] = ()  # gate_proj / up_proj / down_proj MLPs
     packed_swiglu_mlp: tuple[str, ...] = ()  # gate_up_proj / down_proj MLPs (Phi-3)
-    rope: bool = True  # module-level apply_rotary_pos_emb
-    # The module's rope functions and their layouts (forwards.ROPE_LAYOUTS) where rope is on
+    rope: bool = True  # its module-level rope functions (rope_layouts) run the rope kernel
+    # (function name, its layout in forwards.ROPE_LAYOUTS): HF's usual apply_rotary_pos_emb, or the family's own
     rope_layouts: tuple[tuple[str, str], ...] = (("apply_rotary_pos_emb", "half"),)
     # XDecoderLayer: its residual add fused into the norm after it (add_rms_norm), where its forward is one of the
     # shapes in forwards.LAYER_SHAPES (checked on the installed release; any other forward is left as HF's).
