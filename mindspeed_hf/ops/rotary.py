@@ -52,12 +52,29 @@ def _half_signs(x: torch.Tensor) -> torch.Tensor:
     return signs
 
 
+try:  # torch's selective activation checkpointing: the modes of its forward and of its recompute
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    _SELECTIVE_CHECKPOINT_MODES: tuple[type, ...] = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+except ImportError:  # a torch that names them otherwise: every dispatch mode is taken for one
+    _SELECTIVE_CHECKPOINT_MODES = (object,)
+
+
+def _selective_checkpointing() -> bool:
+    """Inside torch's selective activation checkpointing (its forward or its recompute), whose dispatch modes match
+    each op of a region by its position: what a region dispatches must not depend on what an earlier region made."""
+    depth = torch._C._len_torch_dispatch_stack()
+    return bool(depth) and any(isinstance(torch._C._get_dispatch_stack_at(i), _SELECTIVE_CHECKPOINT_MODES)
+                               for i in range(depth))
+
+
 class _PerTables:
     """What a rope derives from its cos / sin tables, made once per set of tables: a forward hands every layer the
     same tables, so the first layer makes it and the rest (and the backward, for all of them) share it. Kept while
     the tables it came from live (a forward's; dropped with them, so nothing outlives them); made again for other
     tables, under another inference mode or after a table changed in place, and every time while torch.compile
-    traces or where a table requires grad."""
+    traces, inside selective activation checkpointing (the recompute must dispatch what the forward did) or where a
+    table requires grad."""
 
     def __init__(self) -> None:
         self._last: tuple | None = None  # (weak references to the tables, inference mode, versions, what was made)
@@ -65,7 +82,7 @@ class _PerTables:
     def __call__(self, tables: tuple[torch.Tensor, ...], make: Callable[[], tuple[torch.Tensor, ...]],
                  how: object = None) -> tuple[torch.Tensor, ...]:
         """make(), or what it made for these `tables` (and `how`, what else it depends on) last time."""
-        if torch.compiler.is_compiling() or any(t.requires_grad for t in tables):
+        if torch.compiler.is_compiling() or _selective_checkpointing() or any(t.requires_grad for t in tables):
             return make()
         inference = torch.is_inference_mode_enabled()
         # (an inference tensor keeps no version)

@@ -253,6 +253,17 @@ SEAMS: tuple[Seam, ...] = (
     Seam("torch._C._current_autograd_node", "object", "backward op counts of `mindspeed-hf bench` "
          "(bench/counts.py); a forward rerun in backward by recompute is not counted again in the MoE load "
          "(moe/load.py)", since="2.6", package="torch", owner="torch._C", accessor="current_autograd_node"),
+    Seam("torch.utils.checkpoint._CachingTorchDispatchMode", "object", "selective activation checkpointing's forward "
+         "mode: the rope's per-forward tables are made per call inside it (ops/rotary.py)", since="2.6",
+         package="torch", owner="torch.utils.checkpoint",
+         without="every dispatch mode is taken for it: the tables are made per call under any (same results)"),
+    Seam("torch.utils.checkpoint._CachedTorchDispatchMode", "object", "selective activation checkpointing's recompute "
+         "mode (ops/rotary.py, as above)", since="2.6", package="torch", owner="torch.utils.checkpoint",
+         without="every dispatch mode is taken for it: the tables are made per call under any (same results)"),
+    Seam("torch._C._len_torch_dispatch_stack", "object", "whether a dispatch mode is on (ops/rotary.py, as above)",
+         since="2.6", package="torch", owner="torch._C"),
+    Seam("torch._C._get_dispatch_stack_at", "object", "which dispatch modes are on (ops/rotary.py, as above)",
+         since="2.6", package="torch", owner="torch._C"),
     Seam("torch._C._dispatch_key_for_device", "object", "which bitsandbytes kernel runs, for report() "
          "(patches/quantized.py)", since="2.6", package="torch", owner="torch._C",
          feature="report() of quantized models"),

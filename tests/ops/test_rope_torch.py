@@ -131,3 +131,30 @@ def test_other_layouts_are_bitwise_hf(layout, dtype):
     if layout == "half_width":
         cos, sin = cos[..., :8].contiguous(), sin[..., :8].contiguous()
     _assert_bitwise(hf, ours, q, k, cos, sin)
+
+
+def test_selective_checkpointing_sees_the_same_ops_in_forward_and_recompute():
+    """torch's selective activation checkpointing matches each op of a region by its position between the forward
+    and the recompute: inside it the tables are made per call (no cache), so a region whose forward found its table
+    made (the second layer) recomputes the same ops after another model's forward (other tables) ran in between;
+    gradients are HF's."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mul.Tensor else CheckpointPolicy.PREFER_RECOMPUTE
+
+    gen = torch.Generator().manual_seed(5)
+    tables = [_tables(2, 8, 8, torch.float32, gen) for _ in range(2)]  # two models' forwards
+    layers = [tuple(torch.randn(2, heads, 8, 8, generator=gen, requires_grad=True) for heads in (4, 2))
+              for _ in range(3)]
+    grads = []
+    for rope in (modeling_llama.apply_rotary_pos_emb, apply_rotary_pos_emb):
+        outs = [checkpoint(lambda q, k, cos, sin, rope=rope: rope(q, k, cos, sin), q, k, *tables[i // 2],
+                           use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))
+                for i, (q, k) in enumerate(layers)]
+        total = sum((q_out * 1.5 + k_out.sum(1, keepdim=True)).sum() for q_out, k_out in outs)
+        grads.append(torch.autograd.grad(total, [t for pair in layers for t in pair]))
+    for theirs, ours in zip(*grads, strict=True):
+        assert torch.equal(ours, theirs)
