@@ -19,8 +19,8 @@ class ModelFamily:
     offset_rms_norm: bool = False  # Gemma: x * (1 + w), multiplied in fp32
     swiglu_mlp: tuple[str, ...] = ()  # gate_proj / up_proj / down_proj MLPs
     packed_swiglu_mlp: tuple[str, ...] = ()  # gate_up_proj / down_proj MLPs (Phi-3)
-    rope: bool = True  # its module-level rope functions (rope_layouts) run the rope kernel
-    # (function name, its layout in forwards.ROPE_LAYOUTS): HF's usual apply_rotary_pos_emb, or the family's own
+    # Its module-level rope functions that run the rope kernel, (function name, its layout in forwards.ROPE_LAYOUTS):
+    # HF's usual apply_rotary_pos_emb, or the family's own; () keeps the module's rope HF's
     rope_layouts: tuple[tuple[str, str], ...] = (("apply_rotary_pos_emb", "half"),)
     # XDecoderLayer: its residual add fused into the norm after it (add_rms_norm), where its forward is one of the
     # shapes in forwards.LAYER_SHAPES (checked on the installed release; any other forward is left as HF's).
@@ -58,6 +58,11 @@ class ModelFamily:
     code_predictors: tuple[str, ...] = ()
     more_attention: tuple[str, ...] = ()
     model_classes: tuple[str, ...] = ()
+
+    @property
+    def rope(self) -> bool:
+        """Its module-level rope runs the rope kernel."""
+        return bool(self.rope_layouts)
 
     @property
     def modeling_module(self) -> str:
@@ -120,7 +125,7 @@ FAMILIES: dict[str, ModelFamily] = {
         _dense("glm4_moe", "Glm4Moe", experts=("Glm4MoeExperts",)),
         # ERNIE 4.5: its apply_rotary_pos_emb turns interleaved pairs in place (GLM style) in fp32, and casts back or
         # not as the release has it (4.57: both to q's dtype; 5.x: q left in fp32, k not cast): rope stays HF's.
-        _dense("ernie4_5_moe", "Ernie4_5_Moe", rope=False, experts=("Ernie4_5_MoeExperts",)),
+        _dense("ernie4_5_moe", "Ernie4_5_Moe", rope_layouts=(), experts=("Ernie4_5_MoeExperts",)),
         # GPT-OSS: its experts ([E, H, 2I] weights with biases, its own clamped gate), its rope (half-width tables)
         # and the loss. Its RMSNorm multiplies the weight in fp32 before the cast, and its attention has sinks (no
         # sdpa): not the layout of our kernels.
@@ -184,9 +189,9 @@ FAMILIES: dict[str, ModelFamily] = {
                code_predictors=("Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration",),
                more_attention=("Qwen3OmniMoeTalkerCodePredictorAttention",),
                model_classes=("Qwen3OmniMoeTalkerForConditionalGeneration",)),
-        _vlm("llava", "Llava", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,
+        _vlm("llava", "Llava", attention="", rms_norm=(), swiglu_mlp=(), rope_layouts=(), vision_rope=False,
              vision_attention=(), text_from_config=True),
-        _vlm("internvl", "InternVL", attention="", rms_norm=(), swiglu_mlp=(), rope=False, vision_rope=False,
+        _vlm("internvl", "InternVL", attention="", rms_norm=(), swiglu_mlp=(), rope_layouts=(), vision_rope=False,
              vision_attention=(), text_from_config=True),
     )
 }

@@ -13,7 +13,7 @@ from ..patching import switch
 
 def patch(family: ModelFamily, module: ModuleType) -> None:
     """Switch the module's rope functions the family lists."""
-    for function, layout in family.rope_layouts if family.rope else ():
+    for function, layout in family.rope_layouts:
         if hasattr(module, function):  # (4.57's Qwen2(.5)-VL: multimodal rope only)
             switch(module, function, "rope", forwards.ROPE_LAYOUTS[layout])
     for _, function in family.mrope_attention:
