@@ -4,7 +4,8 @@ one run, side by side. Prints a markdown table with the ratios and the per-step 
     python benchmarks/bench_step.py --model-type qwen3 --vocab 32000 --hidden 512 --layers 4 --seq 512
 
 Peak memory is the allocator peak on an accelerator and the process's resident high-water mark on the CPU
-(so the CPU figure includes the Python/torch baseline of ~0.3-0.5 GB in both columns).
+(so the CPU figure includes the Python/torch baseline of ~0.3-0.5 GB in both columns); on the CPU also the exact
+tensor memory at the peak of one more, profiled step (tensor_memory.py: the CPU analogue of the allocator peak).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def _worker(args: argparse.Namespace) -> None:
     import mindspeed_hf  # enabled or not by MINDSPEED_HF_AUTO, set by the parent
     from mindspeed_hf.device import detect_device_type, peak_memory_bytes, reset_peak_memory
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tensor_memory import TensorPeak
+
     device = args.device or detect_device_type()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.manual_seed(0)
@@ -42,19 +46,28 @@ def _worker(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
     reset_peak_memory(device)
-    losses, times = [], []
-    for _ in range(args.steps):
-        start = time.perf_counter()
+
+    def step() -> float:
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    losses, times = [], []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        losses.append(step())
         if device != "cpu":
             getattr(torch, device).synchronize()
         times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+    tensor_bytes = None
+    if device == "cpu":  # one more step, profiled (not timed): its tensor memory exactly
+        with TensorPeak() as measured:
+            step()
+        tensor_bytes = measured.bytes
     print(json.dumps({"losses": losses, "times": times, "peak_bytes": peak_memory_bytes(device),
-                      "report": mindspeed_hf.report(model)}))
+                      "tensor_bytes": tensor_bytes, "report": mindspeed_hf.report(model)}))
 
 
 def _run(args: argparse.Namespace, auto: str) -> dict:
@@ -86,21 +99,26 @@ def main() -> None:
     base, ours = results["plain HF"], results["mindspeed_hf"]
     step = {name: statistics.median(r["times"][1:] or r["times"]) for name, r in results.items()}
     diff = max(abs(a - b) for a, b in zip(base["losses"], ours["losses"], strict=True))
+    tensors_head = (" tensor memory at a step's peak (MB, exact: tensor_memory.py) |"
+                    if base["tensor_bytes"] is not None else "")
     kernels = ", ".join(f"{k} x{v}" for k, v in ours["report"]["kernels"].items() if v)
     lines = [
         f"{args.model_type}: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, batch {args.batch} x "
         f"{args.seq}, {args.dtype}, {args.steps} steps, backend {ours['report']['backend']} ({kernels})",
         "",
-        "| run | step time (s, median) | peak memory (MB) | losses |",
-        "|---|---|---|---|",
+        "| run | step time (s, median) | peak memory (MB) |" + tensors_head + " losses |",
+        "|---|---|---|" + "---|" * bool(tensors_head) + "---|",
     ]
     for name, r in results.items():
         losses = " ".join(f"{x:.6f}" for x in r["losses"])
-        lines.append(f"| {name} | {step[name]:.3f} | {r['peak_bytes'] / 2**20:.0f} | {losses} |")
+        tensors = f" {r['tensor_bytes'] / 2**20:.3f} |" if tensors_head else ""
+        lines.append(f"| {name} | {step[name]:.3f} | {r['peak_bytes'] / 2**20:.0f} |{tensors} {losses} |")
+    tensor_ratio = f"tensor-memory peak ratio {ours['tensor_bytes'] / base['tensor_bytes']:.4f}x, " if tensors_head \
+        else ""
     lines += [
         "",
         f"step time ratio {step['mindspeed_hf'] / step['plain HF']:.2f}x, "
-        f"peak memory ratio {ours['peak_bytes'] / base['peak_bytes']:.2f}x, max |loss diff| {diff:.2e}",
+        f"peak memory ratio {ours['peak_bytes'] / base['peak_bytes']:.2f}x, {tensor_ratio}max |loss diff| {diff:.2e}",
     ]
     table = "\n".join(lines)
     print(table)

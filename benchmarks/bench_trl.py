@@ -8,9 +8,10 @@ steps, each trainer with its own defaults (TRL's gradient checkpointing on: mind
 recompute). Each variant runs in its own process (MINDSPEED_HF_AUTO=0 / 1, one thread), the pairs alternating.
 Peak memory is the process's resident high-water mark (ru_maxrss: start-up and imports included, so mindspeed_hf's
 own import shows there) on CPU, with the resident set's growth while training (sampled every 2 ms from the trainer
-built) and the C heap in use at its peak (glibc mallinfo2, sampled the same way: tensors and larger Python objects,
-without the freed memory the allocator keeps, the nearest CPU analogue of a device's peak allocation); torch's peak
-allocation on a GPU / NPU.
+built), the C heap in use at its peak (glibc mallinfo2, sampled the same way: tensors and larger Python objects,
+without the freed memory the allocator keeps) and, exactly, the tensor memory at the last step's peak
+(tensor_memory.py: what was live at its start plus the profiler's allocations inside it, the CPU analogue of a
+device's peak allocation; that step is left out of the step time); torch's peak allocation on a GPU / NPU.
 
     python benchmarks/bench_trl.py [--trainer sft|dpo|both] [--repeats 2] [--out benchmarks/results/trl_cpu.md]
 
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from results_io import emit, spread  # noqa: E402
+from tensor_memory import TensorPeak  # noqa: E402
 
 
 def _worker_run(auto: str, trainer: str) -> dict:
@@ -118,15 +120,21 @@ def worker(args) -> dict:
     model = Qwen3ForCausalLM(config).float()
     rows = _rows(tokenizer, args.batch * args.steps, args.seq, args.trainer)
     logged, times = [], []
+    profiled = args.steps - 1 if device == "cpu" else None  # the last step: its tensor memory, exactly (CPU)
+    measured = TensorPeak()
 
     class Timed(TrainerCallback):
-        def on_step_begin(self, *_, **__):
+        def on_step_begin(self, _args, state, *_, **__):
+            if state.global_step == profiled:
+                measured.__enter__()
             self.began = time.perf_counter()
 
-        def on_step_end(self, *_, **__):
+        def on_step_end(self, _args, state, *_, **__):
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.began)
+            if state.global_step - 1 == profiled:
+                measured.__exit__(None, None, None)
 
         def on_log(self, _args, _state, _control, logs=None, **__):
             if logs and "loss" in logs:
@@ -163,8 +171,10 @@ def worker(args) -> dict:
     if device == "cpu":
         sampler.join()
     ran = mindspeed_hf.report(trainer.model).get("ran", {}) if mindspeed_hf.is_enabled() else {}
-    return {"losses": [entry["loss"] for entry in logged], "logs": logged, "step": statistics.median(times[1:]),
+    timed = times[1:-1] if profiled is not None else times[1:]  # the profiled step runs slower
+    return {"losses": [entry["loss"] for entry in logged], "logs": logged, "step": statistics.median(timed),
             "peak_bytes": peak_memory_bytes(device), "ran": ran,
+            "tensor_bytes": measured.bytes if profiled is not None else None,
             "train_bytes": (max(sampled[0], _resident()) - built) if device == "cpu" else None,
             "heap_bytes": heap[0] if device == "cpu" else None}
 
@@ -214,13 +224,16 @@ def main() -> None:
         cpu = runs[0][order[0][0]]["train_bytes"] is not None
         lines += [f"## {trainer.upper()}", "", "| run | step time (s, median of pairs) | peak memory (MB, median of "
                   "pairs) |" + (" resident-set growth while training (MB, sampled every 2 ms, median) | heap in use "
-                                "at its peak (MB, malloc, sampled every 2 ms, median) |" if cpu else "")
-                  + " losses (first pair) |", "|---|---|---|" + ("---|---|" if cpu else "") + "---|"]
+                                "at its peak (MB, malloc, sampled every 2 ms, median) | tensor memory at the last "
+                                "step's peak (MB, exact: live at its start + the profiler's allocations) |" if cpu
+                                else "")
+                  + " losses (first pair) |", "|---|---|---|" + ("---|---|---|" if cpu else "") + "---|"]
         for name, _ in order:
             step = statistics.median(r[name]["step"] for r in runs)
             peak = statistics.median(r[name]["peak_bytes"] for r in runs) / 2**20
             grew = (f" {statistics.median(r[name]['train_bytes'] for r in runs) / 2**20:.0f} |"
-                    f" {statistics.median(r[name]['heap_bytes'] or 0 for r in runs) / 2**20:.0f} |") if cpu else ""
+                    f" {statistics.median(r[name]['heap_bytes'] or 0 for r in runs) / 2**20:.0f} |"
+                    f" {statistics.median(r[name]['tensor_bytes'] for r in runs) / 2**20:.3f} |") if cpu else ""
             losses = " ".join(f"{x:.6f}" for x in runs[0][name]["losses"])
             lines.append(f"| {name} | {step:.3f} | {peak:.0f} |{grew} {losses} |")
         plain, ours = (name for name, _ in order)
@@ -228,6 +241,9 @@ def main() -> None:
         ran = runs[0][ours]["ran"]
         heap = (f", heap-in-use peak ratio {spread([r[ours]['heap_bytes'] / r[plain]['heap_bytes'] for r in runs])}"
                 if cpu and all(r[name]["heap_bytes"] for r in runs for name in (plain, ours)) else "")
+        if cpu:
+            tensors = [r[ours]["tensor_bytes"] / r[plain]["tensor_bytes"] for r in runs]
+            heap += f", tensor-memory peak ratio {spread(tensors, 4)}"
         lines += ["", f"step time ratio {spread([r[ours]['step'] / r[plain]['step'] for r in runs])}, peak memory "
                   f"ratio {spread([r[ours]['peak_bytes'] / r[plain]['peak_bytes'] for r in runs])}{heap}; every logged "
                   f"metric ({', '.join(names)}) equal within {worst:.1e} (relative, first pair); our kernels that "
