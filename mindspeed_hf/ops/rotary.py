@@ -6,8 +6,9 @@ The torch path computes rotate_half(x) * sin as x.roll(half) * signed_sin, where
 half negated: the same values exactly (negating a factor negates a product exactly), in two ops per tensor instead
 of two slices, a negation, a concatenation and a product, and in backward a product and a roll instead of the
 slices' zero-filled gradients, the negation and the split; the rest is HF's x * cos + rotated, so outputs and
-gradients are HF's bit for bit. signed_sin is made once per table (the layers of a forward share theirs, kept
-while the table lives) and is what the backward keeps in place of sin: nothing more than HF keeps.
+gradients are HF's bit for bit. signed_sin is made once per table (the layers of a forward share theirs while the
+backward keeps it) and is what the backward keeps in place of sin: nothing more than HF keeps. Held only weakly, it
+never outlives its users: under activation checkpointing (whose forward saves nothing) each call makes its own.
 """
 
 from __future__ import annotations
@@ -70,18 +71,22 @@ def _selective_checkpointing() -> bool:
 
 class _PerTables:
     """What a rope derives from its cos / sin tables, made once per set of tables: a forward hands every layer the
-    same tables, so the first layer makes it and the rest (and the backward, for all of them) share it. Kept while
-    the tables it came from live (a forward's; dropped with them, so nothing outlives them); made again for other
+    same tables, so the first layer makes it and the rest share it while the backward keeps it (each layer's product
+    saves it, where HF's saves sin). Held weakly: alive only while something else holds it, so it never adds a table
+    to what HF's code keeps. Where nothing saves it - activation checkpointing's forward, no grad - each call makes
+    its own and drops it (a checkpointed layer's recompute makes it again for its backward). Made again for other
     tables, under another inference mode or after a table changed in place, and every time while torch.compile
     traces, inside selective activation checkpointing (the recompute must dispatch what the forward did) or where a
     table requires grad."""
 
     def __init__(self) -> None:
-        self._last: tuple | None = None  # (weak references to the tables, inference mode, versions, what was made)
+        # (weak references to the tables, inference mode, versions, weak references to what was made)
+        self._last: tuple | None = None
 
     def __call__(self, tables: tuple[torch.Tensor, ...], make: Callable[[], tuple[torch.Tensor, ...]],
                  how: object = None) -> tuple[torch.Tensor, ...]:
-        """make(), or what it made for these `tables` (and `how`, what else it depends on) last time."""
+        """make(), or what it made for these `tables` (and `how`, what else it depends on) last time, if that is
+        still alive."""
         if torch.compiler.is_compiling() or _selective_checkpointing() or any(t.requires_grad for t in tables):
             return make()
         inference = torch.is_inference_mode_enabled()
@@ -90,9 +95,12 @@ class _PerTables:
         last = self._last
         if last is not None and last[1] is inference and last[2] == versions \
                 and all(ref() is t for ref, t in zip(last[0], tables)):
-            return last[3]
+            made = tuple(ref() for ref in last[3])
+            if all(t is not None for t in made):
+                return made
         made = make()
-        self._last = (tuple(weakref.ref(t, self._forget) for t in tables), inference, versions, made)
+        self._last = (tuple(weakref.ref(t, self._forget) for t in tables), inference, versions,
+                      tuple(weakref.ref(t) for t in made))
         return made
 
     def _forget(self, table: weakref.ref) -> None:
