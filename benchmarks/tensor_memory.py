@@ -24,7 +24,7 @@ def live_tensor_bytes() -> int:
     seen: set[int] = set()
     total = 0
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":  # no fake tensors
             storage = obj.untyped_storage()
             pointer = storage.data_ptr()
             if pointer and pointer not in seen:
