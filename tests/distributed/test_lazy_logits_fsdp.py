@@ -29,8 +29,10 @@ def test_a_loss_term_on_the_logits_gets_hf_gradients_under_fsdp2_and_ddp(report,
     run = report[kind]
     assert run["deferred"] and run["made"] == [[2, 16, 131]] * 3  # once per step, this rank's rows
     # AdamW at lr 1e-2 normalises each gradient element, so a reduction-order difference in a near-zero element moves
-    # it by up to the lr per step: measured 1.6e-4 on an MLP weight (the per-step losses stay within 1e-5)
-    assert run["loss_diff"] <= 1e-5 and run["param_diff"] < 3e-4, run
+    # it by up to the lr per step: measured 1.6e-4 on an MLP weight, 4.1e-4 on another machine's CPU (2026-12-07, the
+    # same with the code before that day's changes); the per-step losses stay within 1e-5, and a wrong gradient moves
+    # elements by the lr itself (1e-2 per step)
+    assert run["loss_diff"] <= 1e-5 and run["param_diff"] < 1e-3, run
 
 
 def test_a_first_read_behind_an_optimizer_step_is_refused(report):
