@@ -171,7 +171,7 @@ def worker(args) -> dict:
     if device == "cpu":
         sampler.join()
     ran = mindspeed_hf.report(trainer.model).get("ran", {}) if mindspeed_hf.is_enabled() else {}
-    timed = times[1:-1] if profiled is not None else times[1:]  # the profiled step runs slower
+    timed = (times[1:-1] if profiled is not None else times[1:]) or times  # the profiled step runs slower
     return {"losses": [entry["loss"] for entry in logged], "logs": logged, "step": statistics.median(timed),
             "peak_bytes": peak_memory_bytes(device), "ran": ran,
             "tensor_bytes": measured.bytes if profiled is not None else None,
