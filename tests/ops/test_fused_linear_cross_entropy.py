@@ -184,6 +184,29 @@ def test_registry_and_default_chunk(backend):
     assert name == ("torch" if backend == "torch" else "npu:npu_cross_entropy_loss")
     assert default_chunk_size(151936) == 512
     assert 64 <= default_chunk_size(1001) <= 8192
+    assert default_chunk_size(32000) == 2430 and default_chunk_size(32000, cpu_weight=True) == 512
+    assert default_chunk_size(151936, cpu_weight=True) == 512
+
+
+
+def test_a_cpu_weight_is_chunked_by_at_most_512_rows_and_matches_hf(backend, monkeypatch):
+    """Default chunking of a local CPU weight: 1,100 rows of a 2,000-word vocabulary (one block by the budget
+    alone) in three chunks, and HF's loss and gradients."""
+    monkeypatch.setattr(flce_mod, "SMALL_BLOCK_ELEMENTS", 0)  # chunk this small forward too
+    rows = []
+    step = flce_mod._chunk_step
+    monkeypatch.setattr(flce_mod, "_chunk_step", lambda h, *a: rows.append(h.shape[0]) or step(h, *a))
+    torch.manual_seed(0)
+    head = nn.Linear(H, 2000, bias=False)
+    hidden = torch.randn(2, 551, H, requires_grad=True)
+    labels = torch.randint(0, 2000, (2, 551))
+    ours = fused_linear_cross_entropy(hidden, head.weight, labels)
+    (grad_h,) = torch.autograd.grad(ours, hidden)
+    assert rows == [512, 512, 76], rows
+    ref = ForCausalLMLoss(head(hidden), labels, vocab_size=2000)
+    (ref_h,) = torch.autograd.grad(ref, hidden)
+    torch.testing.assert_close(ours, ref, **TOL)
+    torch.testing.assert_close(grad_h, ref_h, **TOL)
 
 
 # ---------------------------------------------------------------------------------- ZeRO-3 (numel 0) weights
