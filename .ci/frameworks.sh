@@ -41,7 +41,7 @@ echo '"""Stand-in: torchaudio has no build for torch 2.13; LLaMA-Factory imports
 python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|peft|trl|datasets|llamafactory) '
 echo "== install: $(( $(date +%s) - start )) s"
 
-# The release-dependent tests (.ci/run's RELEASE_TESTS) on transformers 5.6.0 with LLaMA-Factory's own pins of
+# The seam tests and training smoke (.ci/run's RELEASE_TESTS) on transformers 5.6.0 with LLaMA-Factory's own pins of
 # accelerate, PEFT and TRL: the release its users run.
 if [ -n "${RELEASE_TESTS:-}" ]; then
     release_start=$(date +%s)
