@@ -48,21 +48,35 @@ def run_worker(worker: Path, out: Path, *args: str, nproc: int = 2, env: dict[st
     return json.loads(out.read_text())
 
 
+# The plain-HF references of this test session by (worker, arguments): the same deterministic run is made once
+# (test_tensor_parallel and test_export_runs ask for the same few, some of them for every parametrized case).
+_REFERENCES: dict[tuple[str, ...], dict] = {}
+
+
 def run_trainer_worker(worker: Path, root: Path, name: str, *args: str, config: str | None = None,
                        nproc: int = 2) -> dict:
-    """A plain-Trainer worker: with `config` None the single-process plain-HF reference (mindspeed_hf not imported),
-    else under torchrun with `nproc` ranks and the sizes only from MINDSPEED_HF_CONFIG (`config`, YAML text).
-    Returns the JSON it wrote, with "params" (the .pt it saved beside it) and "saved" (its save_model directory)."""
-    import torch
-
+    """A plain-Trainer worker: with `config` None the single-process plain-HF reference (mindspeed_hf not imported;
+    made once per session for the same worker and arguments), else under torchrun with `nproc` ranks and the sizes
+    only from MINDSPEED_HF_CONFIG (`config`, YAML text). Returns the JSON it wrote, with "params" (the .pt it saved
+    beside it) and "saved" (its save_model directory)."""
     out = root / f"{name}.json"
     cmd = [str(worker), *args, "--out", str(out)]
     if config is None:
-        run_or_fail([sys.executable, *cmd], child_env(), name)
-    else:
-        (root / f"{name}.yaml").write_text(config)
-        run_or_fail(torchrun(*cmd, nproc=nproc), child_env(auto=True, MINDSPEED_HF_CONFIG=str(root / f"{name}.yaml")),
-                    name)
+        key = (str(worker), *args)
+        if key not in _REFERENCES:
+            run_or_fail([sys.executable, *cmd], child_env(), name)
+            _REFERENCES[key] = _result(out)
+        return dict(_REFERENCES[key])
+    (root / f"{name}.yaml").write_text(config)
+    run_or_fail(torchrun(*cmd, nproc=nproc), child_env(auto=True, MINDSPEED_HF_CONFIG=str(root / f"{name}.yaml")),
+                name)
+    return _result(out)
+
+
+def _result(out: Path) -> dict:
+    """What a trainer worker wrote: its JSON, "params" (the .pt beside it) and "saved" (its save_model directory)."""
+    import torch
+
     return {**json.loads(out.read_text()), "params": torch.load(str(out) + ".pt"), "saved": str(out) + ".saved"}
 
 
