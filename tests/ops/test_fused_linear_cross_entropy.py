@@ -188,7 +188,6 @@ def test_registry_and_default_chunk(backend):
     assert default_chunk_size(151936, cpu_weight=True) == 512
 
 
-
 def test_a_cpu_weight_is_chunked_by_at_most_512_rows_and_matches_hf(backend, monkeypatch):
     """Default chunking of a local CPU weight: 1,100 rows of a 2,000-word vocabulary (one block by the budget
     alone) in three chunks, and HF's loss and gradients."""
