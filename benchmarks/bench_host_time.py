@@ -5,6 +5,11 @@ median training step (wall and CPU, first 5 steps left out) and the import time 
 
     taskset -c 1 python benchmarks/bench_host_time.py --pairs 3 --steps 40 --out benchmarks/results/host_time_cpu.md
 
+--control: a third run in every pair, plain HF again (the order rotated): how far two identical runs differ, and how
+often the issue's test (the median of 3 consecutive pairs <= 1.00) passes for mindspeed_hf and for plain HF itself.
+
+    taskset -c 1 python benchmarks/bench_host_time.py --control --pairs 21 --out benchmarks/results/host_time_cpu.md
+
 --busy N: the busy-machine comparison instead. Torch's default threads, not pinned; each pair runs both variants
 on the quiet machine, then again while N other processes spin on the CPU (a shared machine's other jobs): how much
 each variant slows down under the load, side by side.
@@ -28,6 +33,7 @@ from results_io import emit
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "host_time_child.py"
+CONTROL = "plain again"  # --control: a second plain run in every pair
 
 
 def one_run(auto: str, steps: int, threads: str | None) -> dict:
@@ -122,12 +128,21 @@ def busy(pairs: int, steps: int, threads: str | None, spinners: int) -> list[str
             ratio_line("whole-process slow-down under the load (busy / quiet)", runs, "slowdown_wall", digits=2)]
 
 
-def ratio_line(name: str, pairs: list[dict], key: str, digits: int = 4) -> str:
-    ratios = [p["1"][key] / p["0"][key] for p in pairs]
+def ratio_line(name: str, pairs: list[dict], key: str, digits: int = 4, ours: str = "1") -> str:
+    """A table row: run `ours` ("1" mindspeed_hf, CONTROL plain HF again) against plain HF over the pairs."""
+    ratios = [p[ours][key] / p["0"][key] for p in pairs]
     plain = statistics.median(p["0"][key] for p in pairs)
-    ours = statistics.median(p["1"][key] for p in pairs)
-    return (f"| {name} | {plain:.{digits}f} | {ours:.{digits}f} | {statistics.median(ratios):.3f}x "
+    theirs = statistics.median(p[ours][key] for p in pairs)
+    return (f"| {name} | {plain:.{digits}f} | {theirs:.{digits}f} | {statistics.median(ratios):.3f}x "
             f"[{min(ratios):.3f}-{max(ratios):.3f}] |")
+
+
+def at_most_one(pairs: list[dict], ours: str, window: int = 3) -> str:
+    """How often the issue's test (the median ratio of `window` consecutive pairs, whole-process CPU) comes out
+    <= 1.00 over every window of the run: the chance that one such measurement passes."""
+    ratios = [p[ours]["cpu_s"] / p["0"]["cpu_s"] for p in pairs]
+    medians = [statistics.median(ratios[i:i + window]) for i in range(len(ratios) - window + 1)]
+    return f"{sum(m <= 1.0 for m in medians)} of {len(medians)}"
 
 
 def main() -> None:
@@ -138,6 +153,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--busy", type=int, default=0, help="the busy-machine comparison, with N spinning processes")
     ap.add_argument("--calls", type=int, default=5000, help="calls per timed loop of the RMSNorm micro-benchmark")
+    ap.add_argument("--control", action="store_true",
+                    help="a third run per pair, plain HF again: the resolution of the comparison")
     ap.add_argument("--micro-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.micro_worker:
@@ -151,13 +168,15 @@ def main() -> None:
                  f"{args.busy} processes spinning on the CPU", "", *busy(args.pairs, args.steps, threads, args.busy)]
         emit("\n".join(lines) + "\n", args.out)
         return
+    runs = ("0", "1", CONTROL) if args.control else ("0", "1")
     pairs = []
     for i in range(args.pairs):
-        order = ("0", "1") if i % 2 == 0 else ("1", "0")
-        pairs.append({auto: one_run(auto, args.steps, threads) for auto in order})
+        order = runs[i % len(runs):] + runs[:i % len(runs)]  # each run first, second (and last) in turn
+        pairs.append({run: one_run("0" if run == CONTROL else run, args.steps, threads) for run in order})
     diff = max(abs(a - b) for p in pairs for a, b in zip(p["0"]["losses"], p["1"]["losses"], strict=True))
     lines = [f"`taskset -c N python benchmarks/bench_host_time.py {' '.join(sys.argv[1:])}`", "",
-             f"examples/sft_trainer.py, {args.steps} steps, {args.pairs} interleaved process pairs, "
+             f"examples/sft_trainer.py, {args.steps} steps, {args.pairs} interleaved process "
+             f"{'triples (plain HF, mindspeed_hf, plain HF again; the order rotated)' if args.control else 'pairs'}, "
              f"OMP_NUM_THREADS={threads or 'default'}, affinity {sorted(os.sched_getaffinity(0))}",
              "", "| measure | plain HF (MINDSPEED_HF_AUTO=0) | mindspeed_hf | ratio, median [min-max] |",
              "|---|---|---|---|",
@@ -165,7 +184,16 @@ def main() -> None:
              ratio_line("training step wall (s, median of steps 6..)", pairs, "step_s"),
              ratio_line("training step CPU (s, median of steps 6..)", pairs, "step_cpu_s"),
              ratio_line("`import mindspeed_hf` after torch / transformers / accelerate (CPU s)", pairs, "import_s"),
-             "", f"max |loss diff| between the runs {diff:.2e}", *micro(args.pairs, args.calls)]
+             "", f"max |loss diff| between the runs {diff:.2e}"]
+    if args.control:
+        lines += ["", "Plain HF against itself (the same script, MINDSPEED_HF_AUTO=0 twice): what two identical runs "
+                  "differ by, the comparison's resolution.", "",
+                  "| measure | plain HF | plain HF again | ratio, median [min-max] |", "|---|---|---|---|",
+                  ratio_line("whole process CPU seconds (import included)", pairs, "cpu_s", ours=CONTROL),
+                  ratio_line("training step wall (s, median of steps 6..)", pairs, "step_s", ours=CONTROL),
+                  "", "Windows of 3 consecutive runs whose median whole-process ratio is <= 1.00 (the issue's test): "
+                  f"mindspeed_hf {at_most_one(pairs, '1')}, plain HF again {at_most_one(pairs, CONTROL)}."]
+    lines += micro(args.pairs, args.calls)
     emit("\n".join(lines) + "\n", args.out)
 
 
