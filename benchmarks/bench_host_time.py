@@ -8,7 +8,8 @@ median training step (wall and CPU, first 5 steps left out) and the import time 
 --control: a third run in every pair, plain HF again (the order rotated): how far two identical runs differ, and how
 often the issue's test (the median of 3 consecutive pairs <= 1.00) passes for mindspeed_hf and for plain HF itself.
 
-    taskset -c 1 python benchmarks/bench_host_time.py --control --pairs 21 --out benchmarks/results/host_time_cpu.md
+    taskset -c 1 python benchmarks/bench_host_time.py --control --pairs 21 \
+        --out benchmarks/results/host_time_control_cpu.md
 
 --busy N: the busy-machine comparison instead. Torch's default threads, not pinned; each pair runs both variants
 on the quiet machine, then again while N other processes spin on the CPU (a shared machine's other jobs): how much
@@ -128,19 +129,19 @@ def busy(pairs: int, steps: int, threads: str | None, spinners: int) -> list[str
             ratio_line("whole-process slow-down under the load (busy / quiet)", runs, "slowdown_wall", digits=2)]
 
 
-def ratio_line(name: str, pairs: list[dict], key: str, digits: int = 4, ours: str = "1") -> str:
-    """A table row: run `ours` ("1" mindspeed_hf, CONTROL plain HF again) against plain HF over the pairs."""
-    ratios = [p[ours][key] / p["0"][key] for p in pairs]
+def ratio_line(name: str, pairs: list[dict], key: str, digits: int = 4, run: str = "1") -> str:
+    """A table row: `run` ("1" mindspeed_hf, CONTROL plain HF again) against plain HF over the pairs."""
+    ratios = [p[run][key] / p["0"][key] for p in pairs]
     plain = statistics.median(p["0"][key] for p in pairs)
-    theirs = statistics.median(p[ours][key] for p in pairs)
-    return (f"| {name} | {plain:.{digits}f} | {theirs:.{digits}f} | {statistics.median(ratios):.3f}x "
+    other = statistics.median(p[run][key] for p in pairs)
+    return (f"| {name} | {plain:.{digits}f} | {other:.{digits}f} | {statistics.median(ratios):.3f}x "
             f"[{min(ratios):.3f}-{max(ratios):.3f}] |")
 
 
-def at_most_one(pairs: list[dict], ours: str, window: int = 3) -> str:
+def three_pair_passes(pairs: list[dict], run: str, window: int = 3) -> str:
     """How often the issue's test (the median ratio of `window` consecutive pairs, whole-process CPU) comes out
     <= 1.00 over every window of the run: the chance that one such measurement passes."""
-    ratios = [p[ours]["cpu_s"] / p["0"]["cpu_s"] for p in pairs]
+    ratios = [p[run]["cpu_s"] / p["0"]["cpu_s"] for p in pairs]
     medians = [statistics.median(ratios[i:i + window]) for i in range(len(ratios) - window + 1)]
     return f"{sum(m <= 1.0 for m in medians)} of {len(medians)}"
 
@@ -189,10 +190,10 @@ def main() -> None:
         lines += ["", "Plain HF against itself (the same script, MINDSPEED_HF_AUTO=0 twice): what two identical runs "
                   "differ by, the comparison's resolution.", "",
                   "| measure | plain HF | plain HF again | ratio, median [min-max] |", "|---|---|---|---|",
-                  ratio_line("whole process CPU seconds (import included)", pairs, "cpu_s", ours=CONTROL),
-                  ratio_line("training step wall (s, median of steps 6..)", pairs, "step_s", ours=CONTROL),
+                  ratio_line("whole process CPU seconds (import included)", pairs, "cpu_s", run=CONTROL),
+                  ratio_line("training step wall (s, median of steps 6..)", pairs, "step_s", run=CONTROL),
                   "", "Windows of 3 consecutive runs whose median whole-process ratio is <= 1.00 (the issue's test): "
-                  f"mindspeed_hf {at_most_one(pairs, '1')}, plain HF again {at_most_one(pairs, CONTROL)}."]
+                  f"mindspeed_hf {three_pair_passes(pairs, '1')}, plain HF again {three_pair_passes(pairs, CONTROL)}."]
     lines += micro(args.pairs, args.calls)
     emit("\n".join(lines) + "\n", args.out)
 
